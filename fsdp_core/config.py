@@ -1,0 +1,230 @@
+"""User-facing configuration values: strategy, mixed precision, offload, comm hooks, step flags.
+
+Every value here is immutable, hashable and validated on construction, so that a bad
+configuration fails where it is written, never half-way through a backward pass.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CPUOffload",
+    "CommHook",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "StepFlags",
+    "FLOAT_DTYPES",
+    "HYBRID_STRATEGIES",
+    "RESHARD_AFTER_FORWARD_STRATEGIES",
+]
+
+FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+)
+"""Parameter and gradient dtypes the planner accepts."""
+
+
+class ShardingStrategy(enum.Enum):
+    """How a flat parameter and its gradient are split across ranks (FSDP1's meaning)."""
+
+    FULL_SHARD = "FULL_SHARD"
+    """Shard parameters, gradients and optimizer state; free the unsharded parameter after forward."""
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    """Like FULL_SHARD, but keep the unsharded parameter from forward to backward (ZeRO-2)."""
+    NO_SHARD = "NO_SHARD"
+    """Replicate everything; gradients are all-reduced (DDP)."""
+    HYBRID_SHARD = "HYBRID_SHARD"
+    """FULL_SHARD inside a shard group, replicated across a replicate group."""
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+    """SHARD_GRAD_OP inside a shard group, replicated across a replicate group."""
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether gradients are also all-reduced across a replicate group."""
+        return self in HYBRID_STRATEGIES
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the flat parameter is split across the shard group."""
+        return self is not ShardingStrategy.NO_SHARD
+
+    @classmethod
+    def parse(cls, name: str) -> ShardingStrategy:
+        """Return the member called ``name`` (case-insensitive), or raise ``ValueError``."""
+        key = name.strip().upper().replace("-", "_")
+        if key.startswith("_"):
+            key = key[1:]
+        try:
+            return cls[key]
+        except KeyError:
+            accepted = ", ".join(m.name for m in cls)
+            raise ValueError(
+                f"sharding_strategy: unknown strategy {name!r}; accepted: {accepted}"
+            ) from None
+
+
+HYBRID_STRATEGIES: frozenset[ShardingStrategy] = frozenset(
+    {ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2}
+)
+RESHARD_AFTER_FORWARD_STRATEGIES: frozenset[ShardingStrategy] = frozenset(
+    {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}
+)
+
+
+def _check_float_dtype(argument: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype) or value not in FLOAT_DTYPES:
+        accepted = ", ".join(sorted(str(d) for d in FLOAT_DTYPES))
+        raise TypeError(f"{argument}: expected None or one of {accepted}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class MixedPrecision:
+    """FSDP1's mixed-precision settings.
+
+    ``param_dtype`` is the compute dtype of the unsharded parameter (and so of the gradient
+    autograd produces). Gradients are reduced in ``reduce_dtype``, or in ``param_dtype`` when
+    ``reduce_dtype`` is None. The optimizer receives gradients in the parameter's original
+    dtype unless ``keep_low_precision_grads``, in which case it receives the reduce dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+
+    def __post_init__(self) -> None:
+        _check_float_dtype("mixed_precision.param_dtype", self.param_dtype)
+        _check_float_dtype("mixed_precision.reduce_dtype", self.reduce_dtype)
+        if not isinstance(self.keep_low_precision_grads, bool):
+            raise TypeError(
+                "mixed_precision.keep_low_precision_grads: expected a bool, "
+                f"got {self.keep_low_precision_grads!r}"
+            )
+
+    def compute_dtype(self, orig: torch.dtype, *, force_full_precision: bool = False) -> torch.dtype:
+        """The dtype of the gradient autograd produces for a parameter of dtype ``orig``."""
+        if force_full_precision or self.param_dtype is None:
+            return orig
+        return self.param_dtype
+
+    def reduce_dtype_for(self, orig: torch.dtype, *, force_full_precision: bool = False) -> torch.dtype:
+        """The dtype gradients are reduced in for a parameter of dtype ``orig``."""
+        if force_full_precision:
+            return orig
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return self.compute_dtype(orig)
+
+
+@dataclass(frozen=True, slots=True)
+class CPUOffload:
+    """FSDP1's CPU offload: with ``offload_params`` the sharded parameter and its gradient live
+    on the CPU and the optimizer steps there."""
+
+    offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload_params, bool):
+            raise TypeError(f"cpu_offload.offload_params: expected a bool, got {self.offload_params!r}")
+
+
+class CommHook(enum.Enum):
+    """Which communication hook replaces the shard-group collective.
+
+    The built-in hooks have FSDP1's ``default_hooks`` semantics: each averages over the group
+    it is given (FSDP1's pre/post divide split of that group's size). ``USER`` is an opaque
+    user hook with FSDP1's signature ``hook(state, grad, output=None)``; the plan assumes the
+    same contract: it reduces ``grad`` over the shard group, averaging, and writes this rank's
+    shard into ``output`` (or reduces ``grad`` in place for ``NO_SHARD``).
+    """
+
+    NONE = "none"
+    ALLREDUCE = "allreduce"
+    """All-reduce the whole padded gradient, then keep this rank's shard."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """Reduce-scatter the padded gradient (sharded strategies only)."""
+    FP16_COMPRESS = "fp16_compress"
+    """Cast to float16, reduce, cast back to the gradient's dtype."""
+    BF16_COMPRESS = "bf16_compress"
+    """Cast to bfloat16, reduce, cast back to the gradient's dtype."""
+    USER = "user"
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype a compress hook communicates in, None for the others."""
+        if self is CommHook.FP16_COMPRESS:
+            return torch.float16
+        if self is CommHook.BF16_COMPRESS:
+            return torch.bfloat16
+        return None
+
+    @property
+    def is_low_precision(self) -> bool:
+        """Whether the hook owns the cast to and from its wire dtype (FSDP1's low-precision hooks)."""
+        return self.wire_dtype is not None
+
+    @classmethod
+    def parse(cls, name: str) -> CommHook:
+        """Return the hook called ``name`` (its value, e.g. ``"fp16_compress"``), or raise ``ValueError``."""
+        key = name.strip().lower().replace("-", "_")
+        for member in cls:
+            if member.value == key:
+                return member
+        accepted = ", ".join(m.value for m in cls)
+        raise ValueError(f"comm_hook: unknown hook {name!r}; accepted: {accepted}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepFlags:
+    """Explicit per-backward state: what FSDP1 keeps as ``hasattr`` flags on the flat parameter.
+
+    The shell derives these from its own bookkeeping and passes them in; the planner never
+    inspects tensors.
+    """
+
+    sync_gradients: bool = True
+    """False inside ``no_sync()``: accumulate the unsharded gradient locally, communicate nothing."""
+    accumulate: bool = False
+    """A sharded (reduced) gradient from an earlier backward exists; add this one into it."""
+    pending_unsharded: bool = False
+    """An unsharded gradient accumulated by earlier ``no_sync`` backwards exists; it is added to
+    this backward's gradient before reduction (or, inside ``no_sync``, this one is added to it)."""
+    requires_all_reduce: bool = True
+    """Hybrid only. False defers the replicate all-reduce: the shard-group result is kept as a
+    partial reduction (FSDP2's ``set_requires_all_reduce(False)`` for gradient accumulation)."""
+    pending_partial: bool = False
+    """Hybrid only. A partial reduction kept by earlier backwards without all-reduce exists; it
+    is added before the next all-reduce (or into, when the all-reduce is deferred again)."""
+    force_full_precision: bool = False
+    """Compute and reduce in the parameter's original dtype this step (FSDP1's full precision in eval)."""
+    optimizer_in_backward: bool = False
+    """The optimizer steps inside the post-backward, and the gradient is then freed."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "sync_gradients",
+            "accumulate",
+            "pending_unsharded",
+            "requires_all_reduce",
+            "pending_partial",
+            "force_full_precision",
+            "optimizer_in_backward",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"flags.{name}: expected a bool, got {value!r}")
+        if self.optimizer_in_backward and self.accumulate:
+            raise ValueError(
+                "flags: accumulate=True cannot be combined with optimizer_in_backward=True; "
+                "the optimizer consumes and frees the gradient in every backward"
+            )
+        if self.optimizer_in_backward and not self.requires_all_reduce and self.sync_gradients:
+            raise ValueError(
+                "flags: requires_all_reduce=False cannot be combined with optimizer_in_backward=True; "
+                "the optimizer would step on a partially reduced gradient"
+            )

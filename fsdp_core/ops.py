@@ -1,0 +1,336 @@
+"""The plan language: named buffers, named streams and groups, and a closed union of ops.
+
+Ops hold only ints, strings, tuples, dtypes and enums. Process groups and streams are named by
+enum and resolved by whoever runs the plan. Every op is a frozen, slotted dataclass, so a plan
+is a hashable value.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from fsdp_core.config import CommHook
+from fsdp_core.division import ReduceOpSpec
+from fsdp_core.layout import ShardView
+
+__all__ = [
+    "Accumulate",
+    "AllReduce",
+    "Buffer",
+    "Cast",
+    "CommHookCall",
+    "Destination",
+    "Device",
+    "Divide",
+    "EndOfBackwardWait",
+    "Free",
+    "FreeUnshardedParam",
+    "GradViews",
+    "Group",
+    "HandOff",
+    "Input",
+    "InputRole",
+    "Offload",
+    "Op",
+    "Pad",
+    "RecordStream",
+    "ReduceScatter",
+    "Stream",
+    "WaitStream",
+    "COLLECTIVE_OPS",
+]
+
+
+class Stream(enum.Enum):
+    """Named execution streams; the shell maps them to CUDA streams, or to ordered CPU queues."""
+
+    COMPUTE = "compute"
+    """The default stream: forward, backward, optimizer."""
+    POST_BACKWARD = "post_backward"
+    """FSDP's post-backward stream: casts, reduce-scatter, post-processing."""
+    ALL_REDUCE = "all_reduce"
+    """The hybrid replicate all-reduce and what follows it, overlapping later reduce-scatters."""
+
+
+class Group(enum.Enum):
+    """Named process groups."""
+
+    SHARD = "shard"
+    """FSDP's process group: the shard group for hybrid strategies, the whole data-parallel
+    group otherwise (for ``NO_SHARD`` the group its all-reduce runs over)."""
+    REPLICATE = "replicate"
+    """The replicate group of hybrid strategies."""
+
+
+class Device(enum.Enum):
+    """Where a buffer's memory lives."""
+
+    DEVICE = "device"
+    """The compute device (a GPU, or the CPU when there is no accelerator)."""
+    HOST = "host"
+    """CPU memory used for offloading."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Buffer:
+    """A named one-dimensional buffer."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    device: Device = Device.DEVICE
+
+    def __str__(self) -> str:
+        where = "" if self.device is Device.DEVICE else "@host"
+        return f"{self.name}[{self.numel}:{_short(self.dtype)}{where}]"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer occupies."""
+        return self.numel * self.dtype.itemsize
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class InputRole(enum.Enum):
+    """What a buffer present at the start of the plan holds."""
+
+    GRAD = "grad"
+    """The unsharded gradient autograd just produced for the flat parameter."""
+    PENDING_UNSHARDED = "pending_unsharded"
+    """An unsharded gradient accumulated by earlier ``no_sync`` backwards."""
+    SHARDED_GRAD = "sharded_grad"
+    """A reduced sharded gradient from an earlier backward, to accumulate into."""
+    PENDING_PARTIAL = "pending_partial"
+    """A shard-group-reduced gradient whose replicate all-reduce was deferred."""
+
+
+class Destination(enum.Enum):
+    """Where the plan leaves the gradient for the optimizer."""
+
+    SHARDED_GRAD = "sharded_grad"
+    """The flat parameter's ``.grad`` becomes this rank's reduced shard."""
+    ACCUMULATED_GRAD = "accumulated_grad"
+    """The existing sharded gradient, with this backward's shard added in."""
+    CPU_GRAD = "cpu_grad"
+    """The flat parameter's ``.grad`` is the offloaded CPU gradient."""
+    UNSHARDED_GRAD = "unsharded_grad"
+    """Inside ``no_sync``: the unsharded gradient stays on the flat parameter, unreduced."""
+    PARTIAL = "partial"
+    """Hybrid with the all-reduce deferred: the partial reduction is kept for a later backward."""
+    OPTIMIZER_STEP = "optimizer_step"
+    """The optimizer steps on the gradient inside the backward, then the gradient is freed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Input:
+    """``buffer`` exists at the start of the plan, last written on ``stream``."""
+
+    buffer: Buffer
+    role: InputRole
+    stream: Stream = Stream.COMPUTE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WaitStream:
+    """``stream`` waits for all work enqueued on ``waits_for`` so far."""
+
+    stream: Stream
+    waits_for: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordStream:
+    """Tell the caching allocator ``buffer`` is in use on ``stream`` (``Tensor.record_stream``):
+    its memory is not reused until ``stream``'s work enqueued so far has finished."""
+
+    buffer: Buffer
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Free:
+    """Drop the last reference to ``buffer``; its memory returns to the pool of the stream that
+    allocated it, for reuse by work enqueued there later."""
+
+    buffer: Buffer
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FreeUnshardedParam:
+    """Reshard: free the unsharded flat parameter (FSDP1's ``_should_free_in_backward``)."""
+
+    stream: Stream = Stream.COMPUTE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cast:
+    """``dst = src.to(dst.dtype)``; allocates ``dst``."""
+
+    src: Buffer
+    dst: Buffer
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pad:
+    """``dst = cat(src, zeros(dst.numel - src.numel))``; allocates ``dst``."""
+
+    src: Buffer
+    dst: Buffer
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Divide:
+    """``buffer /= factor`` in place."""
+
+    buffer: Buffer
+    factor: float
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReduceScatter:
+    """``dst = reduce_op(src over group)[rank-th chunk]``; allocates ``dst``.
+    ``src.numel == dst.numel * group size``; both have one dtype."""
+
+    src: Buffer
+    dst: Buffer
+    group: Group
+    reduce_op: ReduceOpSpec
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllReduce:
+    """``buffer = reduce_op(buffer over group)`` in place."""
+
+    buffer: Buffer
+    group: Group
+    reduce_op: ReduceOpSpec
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommHookCall:
+    """Call the registered communication hook: ``hook(state, src, dst)``, or ``hook(state, src)``
+    in place when ``dst`` is ``src`` (``NO_SHARD``). The hook reduces over ``group`` and divides
+    by ``divides_by`` (its state's group size), communicating in ``wire_dtype``; it allocates
+    ``dst`` when that differs from ``src``."""
+
+    hook: CommHook
+    src: Buffer
+    dst: Buffer
+    group: Group
+    divides_by: int
+    wire_dtype: torch.dtype
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accumulate:
+    """``dst += src`` in place (``dst`` already exists)."""
+
+    dst: Buffer
+    src: Buffer
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Offload:
+    """Copy ``src`` into the host buffer ``dst`` (non-blocking device-to-host copy); with
+    ``accumulate`` add into the existing ``dst`` instead. Allocates ``dst`` unless accumulating."""
+
+    src: Buffer
+    dst: Buffer
+    accumulate: bool
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradViews:
+    """Expose ``views`` of ``buffer`` as the original parameters' ``.grad`` (``use_orig_params``)."""
+
+    buffer: Buffer
+    views: tuple[ShardView, ...]
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndOfBackwardWait:
+    """Deferred to the end of backward (FSDP1's final callback): ``stream`` waits for ``waits_for``.
+    This op and every op after it run once the whole backward has been enqueued."""
+
+    stream: Stream
+    waits_for: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandOff:
+    """The gradient the optimizer will see: ``buffer`` at ``destination``, on ``stream``."""
+
+    buffer: Buffer
+    destination: Destination
+    stream: Stream = Stream.COMPUTE
+
+
+Op = Union[
+    Input,
+    WaitStream,
+    RecordStream,
+    Free,
+    FreeUnshardedParam,
+    Cast,
+    Pad,
+    Divide,
+    ReduceScatter,
+    AllReduce,
+    CommHookCall,
+    Accumulate,
+    Offload,
+    GradViews,
+    EndOfBackwardWait,
+    HandOff,
+]
+"""The closed union of plan ops; interpreters ``match`` on it and end with ``assert_never``."""
+
+COLLECTIVE_OPS = (ReduceScatter, AllReduce, CommHookCall)
+"""The op types that communicate."""
+
+
+def op_name(op: Op) -> str:
+    """The snake_case name of an op's kind (``reduce_scatter``, ``all_reduce``...)."""
+    return _OP_NAMES[type(op)]
+
+
+_OP_NAMES: dict[type, str] = {
+    Input: "input",
+    WaitStream: "wait_stream",
+    RecordStream: "record_stream",
+    Free: "free",
+    FreeUnshardedParam: "free_unsharded_param",
+    Cast: "cast",
+    Pad: "pad",
+    Divide: "divide",
+    ReduceScatter: "reduce_scatter",
+    AllReduce: "all_reduce",
+    CommHookCall: "comm_hook",
+    Accumulate: "accumulate",
+    Offload: "offload",
+    GradViews: "grad_views",
+    EndOfBackwardWait: "end_of_backward_wait",
+    HandOff: "hand_off",
+}
+
+
+def op_stream(op: Op) -> Stream:
+    """The stream an op is enqueued on."""
+    return op.stream

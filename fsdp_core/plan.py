@@ -1,0 +1,191 @@
+"""A planning request (every descriptor for one flat parameter and one backward) and the plan.
+
+``PlanRequest`` is the cache key: equal requests give equal plans. Cross-descriptor rules
+(which options combine) are checked in its ``__post_init__``, so an impossible combination
+fails where it is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_core.config import (
+    RESHARD_AFTER_FORWARD_STRATEGIES,
+    CommHook,
+    CPUOffload,
+    MixedPrecision,
+    StepFlags,
+)
+from fsdp_core.division import DivideFactors, Division
+from fsdp_core.layout import FlatParamLayout, ShardingSpec
+from fsdp_core.ops import Buffer, Destination, EndOfBackwardWait, HandOff, Op
+
+__all__ = ["Plan", "PlanRequest"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanRequest:
+    """Everything the post-backward of one flat parameter depends on, for one backward."""
+
+    layout: FlatParamLayout
+    sharding: ShardingSpec
+    mixed_precision: MixedPrecision = MixedPrecision()
+    offload: CPUOffload = CPUOffload()
+    comm_hook: CommHook = CommHook.NONE
+    division: Division = Division()
+    use_orig_params: bool = False
+    flags: StepFlags = StepFlags()
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        strategy = self.sharding.strategy
+        flags = self.flags
+        if not strategy.is_hybrid and not flags.requires_all_reduce:
+            raise ValueError(
+                f"flags.requires_all_reduce: only hybrid strategies have a replicate all-reduce to "
+                f"defer; {strategy.name} needs requires_all_reduce=True"
+            )
+        if not strategy.is_hybrid and flags.pending_partial:
+            raise ValueError(
+                f"flags.pending_partial: only hybrid strategies keep partial reductions; "
+                f"{strategy.name} needs pending_partial=False"
+            )
+        if self.comm_hook is CommHook.REDUCE_SCATTER and not strategy.is_sharded:
+            raise ValueError(
+                "comm_hook: reduce_scatter needs a sharded strategy; NO_SHARD accepts allreduce, "
+                "fp16_compress, bf16_compress or a user hook"
+            )
+        if self.comm_hook.is_low_precision and self.mixed_precision.reduce_dtype is not None:
+            raise ValueError(
+                f"comm_hook: {self.comm_hook.value} chooses the communication dtype itself and cannot "
+                "be combined with mixed_precision.reduce_dtype; drop one of them"
+            )
+        if self.comm_hook is not CommHook.NONE and self.division.factor is not None:
+            raise ValueError(
+                "division.factor: a communication hook divides as its state says; a custom divide "
+                "factor needs comm_hook=none"
+            )
+        if flags.optimizer_in_backward and not self.use_orig_params:
+            raise ValueError(
+                "flags.optimizer_in_backward: the optimizer in backward steps the original parameters "
+                "and needs use_orig_params=True"
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the gradient autograd produces."""
+        return self.mixed_precision.compute_dtype(
+            self.layout.dtype, force_full_precision=self.flags.force_full_precision
+        )
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype the plan hands to the shard-group collective (a compress hook then
+        communicates in its own wire dtype and returns this one)."""
+        if self.comm_hook.is_low_precision:
+            return self.compute_dtype
+        return self.mixed_precision.reduce_dtype_for(
+            self.layout.dtype, force_full_precision=self.flags.force_full_precision
+        )
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype the optimizer receives: the original dtype unless low-precision grads are kept."""
+        if self.mixed_precision.keep_low_precision_grads and not self.flags.force_full_precision:
+            return self.reduce_dtype
+        return self.layout.dtype
+
+    @property
+    def should_free_in_backward(self) -> bool:
+        """FSDP1's ``_should_free_in_backward``: sharded strategies free the unsharded parameter in
+        the post-backward, except ZeRO-2 strategies inside ``no_sync``, which keep it to avoid
+        all-gathering again in the next accumulation step."""
+        strategy = self.sharding.strategy
+        return strategy.is_sharded and (
+            self.flags.sync_gradients or strategy in RESHARD_AFTER_FORWARD_STRATEGIES
+        )
+
+
+def _check_types(request: PlanRequest) -> None:
+    expected: tuple[tuple[str, type], ...] = (
+        ("layout", FlatParamLayout),
+        ("sharding", ShardingSpec),
+        ("mixed_precision", MixedPrecision),
+        ("offload", CPUOffload),
+        ("comm_hook", CommHook),
+        ("division", Division),
+        ("use_orig_params", bool),
+        ("flags", StepFlags),
+    )
+    for name, kind in expected:
+        value = getattr(request, name)
+        if not isinstance(value, kind):
+            raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """The post-backward of one flat parameter for one backward, as data.
+
+    ``ops`` run in order, each enqueued on its stream. Ops from the first ``EndOfBackwardWait``
+    on run in the end-of-backward callback; those before it run in the post-backward hook.
+    """
+
+    request: PlanRequest
+    ops: tuple[Op, ...]
+    factors: DivideFactors | None
+    """The division used for the default collectives (None inside ``no_sync``)."""
+
+    @property
+    def hand_off(self) -> HandOff | None:
+        """The op that hands the gradient to the optimizer, if the plan has one."""
+        found = [op for op in self.ops if isinstance(op, HandOff)]
+        return found[0] if len(found) == 1 else None
+
+    @property
+    def destination(self) -> Destination | None:
+        """Where the gradient ends up."""
+        h = self.hand_off
+        return None if h is None else h.destination
+
+    @property
+    def should_free_in_backward(self) -> bool:
+        """Whether the plan reshards (frees the unsharded parameter) in the post-backward."""
+        return self.request.should_free_in_backward
+
+    @property
+    def hook_ops(self) -> tuple[Op, ...]:
+        """The ops run inside the post-backward hook."""
+        return self.ops[: self._split()]
+
+    @property
+    def callback_ops(self) -> tuple[Op, ...]:
+        """The ops deferred to the end-of-backward callback."""
+        return self.ops[self._split() :]
+
+    def _split(self) -> int:
+        for i, op in enumerate(self.ops):
+            if isinstance(op, EndOfBackwardWait):
+                return i
+        return len(self.ops)
+
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """Every buffer the plan names, in order of first mention."""
+        seen: dict[str, Buffer] = {}
+        for op in self.ops:
+            for b in buffers_of(op):
+                seen.setdefault(b.name, b)
+        return tuple(seen.values())
+
+
+def buffers_of(op: Op) -> tuple[Buffer, ...]:
+    """The buffers an op reads or writes."""
+    out: list[Buffer] = []
+    for field in ("buffer", "src", "dst"):
+        value = getattr(op, field, None)
+        if isinstance(value, Buffer) and value not in out:
+            out.append(value)
+    return tuple(out)

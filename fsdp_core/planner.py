@@ -1,0 +1,404 @@
+"""Build the post-backward plan of one flat parameter.
+
+A plan is built by threading an immutable ``Draft`` (the ops so far, which buffer holds the
+gradient, which stream we are on) through a pipeline of pure stages. The shape of the
+reduction is chosen by a dispatch table from strategy to builder, not by an if-ladder.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping
+
+import torch
+from toolz import pipe
+
+from fsdp_core.config import CommHook, CPUOffload, MixedPrecision, ShardingStrategy, StepFlags
+from fsdp_core.division import DivideFactors, Division, divide_factors
+from fsdp_core.layout import FlatParamLayout, ShardingSpec, unsharded_views
+from fsdp_core.ops import (
+    Accumulate,
+    AllReduce,
+    Buffer,
+    Cast,
+    CommHookCall,
+    Destination,
+    Device,
+    Divide,
+    EndOfBackwardWait,
+    Free,
+    FreeUnshardedParam,
+    GradViews,
+    Group,
+    HandOff,
+    Input,
+    InputRole,
+    Offload,
+    Op,
+    Pad,
+    RecordStream,
+    ReduceScatter,
+    Stream,
+    WaitStream,
+)
+from fsdp_core.plan import Plan, PlanRequest, buffers_of
+
+__all__ = ["PLAN_BUILDERS", "PlanCache", "build_plan", "plan_post_backward"]
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A plan under construction: ``grad`` holds the gradient being processed, on ``stream``."""
+
+    request: PlanRequest
+    ops: tuple[Op, ...]
+    grad: Buffer
+    stream: Stream
+    factors: DivideFactors | None = None
+    destination: Destination | None = None
+
+
+Stage = Callable[[Draft], Draft]
+
+
+def _emit(d: Draft, *ops: Op, grad: Buffer | None = None, stream: Stream | None = None) -> Draft:
+    return replace(
+        d,
+        ops=d.ops + ops,
+        grad=d.grad if grad is None else grad,
+        stream=d.stream if stream is None else stream,
+    )
+
+
+def _alloc_stream(ops: tuple[Op, ...], buffer: Buffer) -> Stream:
+    for op in ops:
+        if buffer in buffers_of(op):
+            return op.stream
+    raise AssertionError(f"buffer {buffer.name} used before it was introduced")
+
+
+def _release(d: Draft, buffer: Buffer) -> tuple[Op, ...]:
+    """Ops that drop ``buffer`` safely: record it on the current stream if it was allocated on
+    another one (the caching allocator must not hand its memory out while this stream still
+    reads it), then free it on its allocation stream."""
+    alloc = _alloc_stream(d.ops, buffer)
+    recorded = {op.stream for op in d.ops if isinstance(op, RecordStream) and op.buffer == buffer}
+    ops: list[Op] = []
+    if alloc is not d.stream and d.stream not in recorded:
+        ops.append(RecordStream(buffer=buffer, stream=d.stream))
+    ops.append(Free(buffer=buffer, stream=alloc))
+    return tuple(ops)
+
+
+def _replace_grad(d: Draft, op: Op, new: Buffer) -> Draft:
+    """Emit ``op`` (which derives ``new`` from the current gradient) and release the old one."""
+    d2 = _emit(d, op)
+    return _emit(d2, *_release(d2, d.grad), grad=new)
+
+
+def _dtype_tag(dtype: torch.dtype) -> str:
+    return {
+        torch.float32: "fp32",
+        torch.float16: "fp16",
+        torch.bfloat16: "bf16",
+        torch.float64: "fp64",
+    }[dtype]
+
+
+def _switch_stream(d: Draft, stream: Stream) -> Draft:
+    if d.stream is stream:
+        return d
+    d2 = _emit(d, WaitStream(stream=stream, waits_for=d.stream), stream=stream)
+    return _emit(d2, RecordStream(buffer=d.grad, stream=stream))
+
+
+# -- stages shared by every strategy ------------------------------------------------------
+
+
+def _inputs(d: Draft) -> Draft:
+    """Declare what exists when the hook fires: the new gradient and any pending state."""
+    r, f = d.request, d.request.flags
+    ops: list[Op] = []
+    if r.should_free_in_backward:
+        ops.append(FreeUnshardedParam(stream=Stream.COMPUTE))
+    ops.append(Input(buffer=d.grad, role=InputRole.GRAD, stream=Stream.COMPUTE))
+    if f.pending_unsharded:
+        ops.append(Input(buffer=_pending_unsharded(r), role=InputRole.PENDING_UNSHARDED))
+    if f.sync_gradients and f.accumulate and not _defers_all_reduce(r):
+        ops.append(Input(buffer=_saved_grad(r), role=InputRole.SHARDED_GRAD))
+    if f.sync_gradients and f.pending_partial:
+        ops.append(Input(buffer=_partial(r), role=InputRole.PENDING_PARTIAL))
+    return _emit(d, *ops)
+
+
+def _merge_pending_unsharded(d: Draft) -> Draft:
+    """Add this backward's gradient into the one accumulated by earlier ``no_sync`` backwards."""
+    if not d.request.flags.pending_unsharded:
+        return d
+    pending = _pending_unsharded(d.request)
+    return _replace_grad(d, Accumulate(dst=pending, src=d.grad, stream=d.stream), pending)
+
+
+def _to_post_backward_stream(d: Draft) -> Draft:
+    return _emit(d, WaitStream(stream=Stream.POST_BACKWARD, waits_for=Stream.COMPUTE), stream=Stream.POST_BACKWARD)
+
+
+def _cast_to_reduce_dtype(d: Draft) -> Draft:
+    want = d.request.reduce_dtype
+    if d.grad.dtype is want:
+        return d
+    new = Buffer(name=f"grad.{_dtype_tag(want)}", numel=d.grad.numel, dtype=want)
+    return _replace_grad(d, Cast(src=d.grad, dst=new, stream=d.stream), new)
+
+
+def _pad_to_shards(d: Draft) -> Draft:
+    padded = d.request.sharding.padded_numel(d.request.layout)
+    if d.grad.numel == padded:
+        return d
+    new = Buffer(name="grad.padded", numel=padded, dtype=d.grad.dtype)
+    return _replace_grad(d, Pad(src=d.grad, dst=new, stream=d.stream), new)
+
+
+def _divide(d: Draft, factor: float) -> Draft:
+    if factor == 1.0:
+        return d
+    return _emit(d, Divide(buffer=d.grad, factor=factor, stream=d.stream))
+
+
+def _shard_group_factors(r: PlanRequest) -> DivideFactors:
+    return divide_factors(
+        shard_size=r.sharding.shard_size,
+        replicate_size=r.sharding.replicate_size,
+        reduce_dtype=r.reduce_dtype,
+        division=r.division,
+    )
+
+
+def _hook_call(d: Draft, dst: Buffer) -> Draft:
+    r = d.request
+    wire = r.comm_hook.wire_dtype or d.grad.dtype
+    call = CommHookCall(
+        hook=r.comm_hook,
+        src=d.grad,
+        dst=dst,
+        group=Group.SHARD,
+        divides_by=r.sharding.shard_size,
+        wire_dtype=wire,
+        stream=d.stream,
+    )
+    return _emit(d, call)
+
+
+def _reduce_scatter(d: Draft) -> Draft:
+    """Shard-group reduction of a sharded strategy: reduce-scatter (or the hook) into a new shard."""
+    r = d.request
+    shard = Buffer(name="shard", numel=r.sharding.shard_numel(r.layout), dtype=d.grad.dtype)
+    if r.comm_hook is not CommHook.NONE:
+        d2 = _hook_call(d, shard)
+        return _emit(d2, *_release(d2, d.grad), grad=shard)
+    factors = _shard_group_factors(r)
+    d2 = _divide(replace(d, factors=factors), factors.pre)
+    rs = ReduceScatter(
+        src=d2.grad, dst=shard, group=Group.SHARD, reduce_op=factors.reduce_scatter_op, stream=d2.stream
+    )
+    d3 = _emit(d2, rs)
+    return _emit(d3, *_release(d3, d2.grad), grad=shard)
+
+
+def _post_divide(d: Draft) -> Draft:
+    if d.request.comm_hook is not CommHook.NONE or d.factors is None:
+        return d
+    return _divide(d, d.factors.post)
+
+
+def _all_reduce_no_shard(d: Draft) -> Draft:
+    r = d.request
+    if r.comm_hook is not CommHook.NONE:
+        return _hook_call(d, d.grad)
+    factors = _shard_group_factors(r)
+    d2 = _divide(replace(d, factors=factors), factors.pre)
+    ar = AllReduce(buffer=d2.grad, group=Group.SHARD, reduce_op=factors.reduce_scatter_op, stream=d2.stream)
+    return _post_divide(_emit(d2, ar))
+
+
+def _replicate_all_reduce(d: Draft) -> Draft:
+    """Hybrid: fold in a pending partial, then either defer the all-reduce (keeping a partial)
+    or all-reduce across replicas on the all-reduce stream and divide what remains."""
+    r = d.request
+    if _defers_all_reduce(r):
+        if not r.flags.pending_partial:
+            return replace(d, destination=Destination.PARTIAL)
+        partial = _partial(r)
+        d2 = _replace_grad(d, Accumulate(dst=partial, src=d.grad, stream=d.stream), partial)
+        return replace(d2, destination=Destination.PARTIAL)
+    if r.flags.pending_partial:
+        partial = _partial(r)
+        d2 = _emit(d, Accumulate(dst=d.grad, src=partial, stream=d.stream))
+        d = _emit(d2, *_release(d2, partial))
+    d = _switch_stream(d, Stream.ALL_REDUCE)
+    if r.comm_hook is not CommHook.NONE:
+        rest = divide_factors(
+            shard_size=1, replicate_size=r.sharding.replicate_size, reduce_dtype=d.grad.dtype,
+            division=Division(policy=r.division.policy, backend=r.division.backend),
+        )
+        d = _divide(d, rest.pre)
+        ar = AllReduce(buffer=d.grad, group=Group.REPLICATE, reduce_op=rest.all_reduce_op, stream=d.stream)
+        return _divide(_emit(d, ar), rest.post)
+    assert d.factors is not None
+    ar = AllReduce(buffer=d.grad, group=Group.REPLICATE, reduce_op=d.factors.all_reduce_op, stream=d.stream)
+    return _post_divide(_emit(d, ar))
+
+
+def _cast_to_grad_dtype(d: Draft) -> Draft:
+    if d.destination is Destination.PARTIAL:
+        return d
+    want = d.request.grad_dtype
+    if d.grad.dtype is want:
+        return d
+    base = d.grad.name.split(".")[0]
+    new = Buffer(name=f"{base}.{_dtype_tag(want)}", numel=d.grad.numel, dtype=want)
+    return _replace_grad(d, Cast(src=d.grad, dst=new, stream=d.stream), new)
+
+
+def _accumulate_or_offload(d: Draft) -> Draft:
+    """Accumulate into the existing sharded gradient, and/or copy the result to the host."""
+    if d.destination is Destination.PARTIAL:
+        return d
+    r = d.request
+    if r.offload.offload_params:
+        cpu = _cpu_grad(r)
+        op = Offload(src=d.grad, dst=cpu, accumulate=r.flags.accumulate, stream=d.stream)
+        return replace(_replace_grad(d, op, cpu), destination=Destination.CPU_GRAD)
+    if r.flags.accumulate:
+        saved = _saved_grad(r)
+        op2 = Accumulate(dst=saved, src=d.grad, stream=d.stream)
+        return replace(_replace_grad(d, op2, saved), destination=Destination.ACCUMULATED_GRAD)
+    return replace(d, destination=Destination.SHARDED_GRAD)
+
+
+def _grad_views(d: Draft) -> Draft:
+    r = d.request
+    if not r.use_orig_params or d.destination is Destination.PARTIAL:
+        return d
+    if not r.flags.sync_gradients or not r.sharding.strategy.is_sharded:
+        views = unsharded_views(r.layout)
+    else:
+        views = r.sharding.shard_views(r.layout)
+    return _emit(d, GradViews(buffer=d.grad, views=views, stream=d.stream))
+
+
+def _hand_off(d: Draft) -> Draft:
+    """Hand the gradient over. The optimizer-in-backward steps right here on the current stream
+    and frees it; every other destination is handed over at the end of backward, after the
+    compute stream has waited for the side streams."""
+    r = d.request
+    used = {op.stream for op in d.ops} - {Stream.COMPUTE}
+    waits = tuple(
+        EndOfBackwardWait(stream=Stream.COMPUTE, waits_for=s)
+        for s in (Stream.POST_BACKWARD, Stream.ALL_REDUCE)
+        if s in used
+    )
+    destination = d.destination or Destination.UNSHARDED_GRAD
+    if r.flags.optimizer_in_backward and r.flags.sync_gradients:
+        step = HandOff(buffer=d.grad, destination=Destination.OPTIMIZER_STEP, stream=d.stream)
+        d2 = _emit(d, step)
+        return _emit(d2, *_release(d2, d.grad), *waits)
+    return _emit(d, *waits, HandOff(buffer=d.grad, destination=destination, stream=Stream.COMPUTE))
+
+
+# -- named buffers for state carried between backwards --------------------------------------
+
+
+def _pending_unsharded(r: PlanRequest) -> Buffer:
+    return Buffer(name="grad.pending", numel=r.layout.total_numel, dtype=r.compute_dtype)
+
+
+def _saved_grad(r: PlanRequest) -> Buffer:
+    numel = r.sharding.shard_numel(r.layout)
+    device = Device.HOST if r.offload.offload_params else Device.DEVICE
+    name = "cpu_grad" if r.offload.offload_params else "sharded_grad"
+    return Buffer(name=name, numel=numel, dtype=r.grad_dtype, device=device)
+
+
+def _cpu_grad(r: PlanRequest) -> Buffer:
+    return Buffer(name="cpu_grad", numel=r.sharding.shard_numel(r.layout), dtype=r.grad_dtype, device=Device.HOST)
+
+
+def _partial(r: PlanRequest) -> Buffer:
+    return Buffer(name="partial", numel=r.sharding.shard_numel(r.layout), dtype=r.reduce_dtype)
+
+
+def _defers_all_reduce(r: PlanRequest) -> bool:
+    return r.sharding.strategy.is_hybrid and not r.flags.requires_all_reduce
+
+
+# -- the dispatch table ----------------------------------------------------------------------
+
+_SYNC_PROLOGUE: tuple[Stage, ...] = (_inputs, _to_post_backward_stream, _merge_pending_unsharded, _cast_to_reduce_dtype)
+_FINALIZE: tuple[Stage, ...] = (_cast_to_grad_dtype, _accumulate_or_offload, _grad_views, _hand_off)
+
+PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = {
+    ShardingStrategy.NO_SHARD: (*_SYNC_PROLOGUE, _all_reduce_no_shard, *_FINALIZE),
+    ShardingStrategy.FULL_SHARD: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
+    ShardingStrategy.SHARD_GRAD_OP: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
+    ShardingStrategy.HYBRID_SHARD: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _replicate_all_reduce, *_FINALIZE),
+    ShardingStrategy.HYBRID_SHARD_ZERO2: (
+        *_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _replicate_all_reduce, *_FINALIZE,
+    ),
+}
+"""Strategy -> the stages of its plan when gradients are synchronised."""
+
+NO_SYNC_STAGES: tuple[Stage, ...] = (_inputs, _merge_pending_unsharded, _grad_views, _hand_off)
+"""The stages inside ``no_sync()``: accumulate locally, communicate nothing."""
+
+
+def build_plan(request: PlanRequest) -> Plan:
+    """The plan for ``request``: pure, deterministic, and equal for equal requests."""
+    grad = Buffer(name="grad", numel=request.layout.total_numel, dtype=request.compute_dtype)
+    start = Draft(request=request, ops=(), grad=grad, stream=Stream.COMPUTE)
+    stages = PLAN_BUILDERS[request.sharding.strategy] if request.flags.sync_gradients else NO_SYNC_STAGES
+    done: Draft = pipe(start, *stages)
+    return Plan(request=request, ops=done.ops, factors=done.factors)
+
+
+def plan_post_backward(
+    layout: FlatParamLayout,
+    sharding: ShardingSpec,
+    *,
+    mixed_precision: MixedPrecision = MixedPrecision(),
+    offload: CPUOffload = CPUOffload(),
+    comm_hook: CommHook = CommHook.NONE,
+    division: Division = Division(),
+    use_orig_params: bool = False,
+    flags: StepFlags = StepFlags(),
+) -> Plan:
+    """The gradient post-processing of one flat parameter for one backward, as a ``Plan``.
+
+    Raises ``ValueError``/``TypeError`` naming the argument when the combination is invalid.
+    """
+    request = PlanRequest(
+        layout=layout,
+        sharding=sharding,
+        mixed_precision=mixed_precision,
+        offload=offload,
+        comm_hook=comm_hook,
+        division=division,
+        use_orig_params=use_orig_params,
+        flags=flags,
+    )
+    return build_plan(request)
+
+
+class PlanCache:
+    """Plans by request, built once: what the shell consults on every backward.
+
+    Owned by whoever plans (one per FSDP root), so the core keeps no global state.
+    """
+
+    def __init__(self, maxsize: int = 4096) -> None:
+        self._get: Callable[[PlanRequest], Plan] = functools.lru_cache(maxsize=maxsize)(build_plan)
+
+    def __call__(self, request: PlanRequest) -> Plan:
+        """The plan for ``request``, from the cache when it was built before."""
+        return self._get(request)

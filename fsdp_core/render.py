@@ -1,0 +1,199 @@
+"""Plans for people and programs: a readable table and a JSON-ready value."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from fsdp_core.comm import comm_volume
+from fsdp_core.ops import (
+    Accumulate,
+    AllReduce,
+    Buffer,
+    Cast,
+    CommHookCall,
+    Divide,
+    EndOfBackwardWait,
+    Free,
+    FreeUnshardedParam,
+    GradViews,
+    HandOff,
+    Input,
+    Offload,
+    Op,
+    Pad,
+    RecordStream,
+    ReduceScatter,
+    WaitStream,
+    op_name,
+)
+from fsdp_core.plan import Plan
+from fsdp_core.verifier import Problem, check_plan
+
+__all__ = ["JsonValue", "describe_op", "format_plan", "plan_to_json"]
+
+JsonValue = Union[None, bool, int, float, str, list["JsonValue"], dict[str, "JsonValue"]]
+"""A value ``json.dumps`` accepts."""
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def describe_op(op: Op) -> str:
+    """One line saying what ``op`` does, buffers written ``name[numel:dtype]``."""
+    match op:
+        case Input():
+            return f"{op.buffer}  ({op.role.value})"
+        case WaitStream():
+            return f"{op.stream.value} waits for {op.waits_for.value}"
+        case EndOfBackwardWait():
+            return f"at end of backward: {op.stream.value} waits for {op.waits_for.value}"
+        case RecordStream():
+            return f"{op.buffer.name} in use on {op.stream.value}"
+        case Free():
+            return f"{op.buffer.name} back to {op.stream.value}'s pool"
+        case FreeUnshardedParam():
+            return "reshard: free the unsharded flat parameter"
+        case Cast():
+            return f"{op.src} -> {op.dst}"
+        case Pad():
+            return f"{op.src} -> {op.dst}  (+{op.dst.numel - op.src.numel} zeros)"
+        case Divide():
+            return f"{op.buffer.name} /= {op.factor:g}"
+        case ReduceScatter():
+            return f"{op.src} -> {op.dst}  over {op.group.value}, {op.reduce_op}"
+        case AllReduce():
+            return f"{op.buffer}  over {op.group.value}, {op.reduce_op}"
+        case CommHookCall():
+            target = "in place" if op.src == op.dst else f"-> {op.dst}"
+            return (f"{op.hook.value}: {op.src} {target}  over {op.group.value}, "
+                    f"averages /{op.divides_by}, wire {_dtype(op.wire_dtype)}")
+        case Accumulate():
+            return f"{op.dst.name} += {op.src.name}"
+        case Offload():
+            verb = "+=" if op.accumulate else "="
+            return f"{op.dst} {verb} {op.src.name}"
+        case GradViews():
+            shown = ", ".join(f"{v.param_name}[{v.offset_in_param}:{v.offset_in_param + v.numel}]" for v in op.views[:4])
+            more = f", ... ({len(op.views)} in all)" if len(op.views) > 4 else ""
+            return f"orig .grad views of {op.buffer.name}: {shown}{more}" if op.views else f"no parameter in {op.buffer.name}"
+        case HandOff():
+            return f"{op.buffer} -> {op.destination.value}"
+
+
+def _header(plan: Plan) -> list[str]:
+    r = plan.request
+    s = r.sharding
+    geometry = f"shard {s.shard_size} x replicate {s.replicate_size}" if s.strategy.is_hybrid else f"world {s.shard_size}"
+    lines = [
+        f"post-backward plan: {s.strategy.name}, {geometry}, rank {s.rank}",
+        f"  flat parameter: {r.layout.total_numel} elements in {len(r.layout.params)} parameter(s), "
+        f"padded {s.padded_numel(r.layout)}, shard {s.shard_numel(r.layout)}",
+        f"  dtypes: param {_dtype(r.layout.dtype)}, compute {_dtype(r.compute_dtype)}, "
+        f"reduce {_dtype(r.reduce_dtype)}, optimizer grad {_dtype(r.grad_dtype)}",
+    ]
+    if plan.factors is not None:
+        f = plan.factors
+        lines.append(f"  division: pre /{f.pre:g}, post /{f.post:g}, reduce-scatter {f.reduce_scatter_op}, "
+                     f"all-reduce {f.all_reduce_op} (total /{f.total:g})")
+    flags = r.flags
+    lines.append(
+        f"  comm hook: {r.comm_hook.value}; offload: {r.offload.offload_params}; use_orig_params: {r.use_orig_params}; "
+        f"sync: {flags.sync_gradients}; accumulate: {flags.accumulate}; reshard in backward: {plan.should_free_in_backward}"
+    )
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable table of ``plan``: a header with the configuration, then one row per op."""
+    rows = [(str(i), op.stream.value, op_name(op), describe_op(op)) for i, op in enumerate(plan.ops)]
+    head = ("#", "stream", "op", "details")
+    widths = [max(len(row[k]) for row in [head, *rows]) for k in range(3)]
+    table = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
+        for row in [head, *rows]
+    ]
+    return "\n".join(_header(plan) + [""] + table)
+
+
+def _buffer_json(b: Buffer) -> JsonValue:
+    return {"name": b.name, "numel": b.numel, "dtype": _dtype(b.dtype), "device": b.device.value}
+
+
+def _op_json(op: Op) -> dict[str, JsonValue]:
+    out: dict[str, JsonValue] = {"op": op_name(op), "stream": op.stream.value}
+    match op:
+        case Input():
+            out.update(buffer=_buffer_json(op.buffer), role=op.role.value)
+        case WaitStream() | EndOfBackwardWait():
+            out.update(waits_for=op.waits_for.value)
+        case RecordStream() | Free():
+            out.update(buffer=_buffer_json(op.buffer))
+        case FreeUnshardedParam():
+            pass
+        case Cast() | Pad():
+            out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst))
+        case Divide():
+            out.update(buffer=_buffer_json(op.buffer), factor=op.factor)
+        case ReduceScatter():
+            out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst), group=op.group.value,
+                       reduce_op=str(op.reduce_op))
+        case AllReduce():
+            out.update(buffer=_buffer_json(op.buffer), group=op.group.value, reduce_op=str(op.reduce_op))
+        case CommHookCall():
+            out.update(hook=op.hook.value, src=_buffer_json(op.src), dst=_buffer_json(op.dst), group=op.group.value,
+                       divides_by=op.divides_by, wire_dtype=_dtype(op.wire_dtype))
+        case Accumulate():
+            out.update(dst=_buffer_json(op.dst), src=_buffer_json(op.src))
+        case Offload():
+            out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst), accumulate=op.accumulate)
+        case GradViews():
+            views: list[JsonValue] = [
+                {"param": v.param_name, "offset_in_buffer": v.offset_in_buffer,
+                 "offset_in_param": v.offset_in_param, "numel": v.numel}
+                for v in op.views
+            ]
+            out.update(buffer=_buffer_json(op.buffer), views=views)
+        case HandOff():
+            out.update(buffer=_buffer_json(op.buffer), destination=op.destination.value)
+    return out
+
+
+def plan_to_json(plan: Plan, problems: list[Problem] | None = None) -> dict[str, JsonValue]:
+    """``plan`` as a JSON-ready dict: ``ops``, ``comm`` (per collective: ``collective``, ``group``,
+    ``input_numel``, ``output_numel``, ``dtype``, ``bytes``), ``problems`` (the verifier's
+    findings, computed unless given) and the configuration."""
+    r = plan.request
+    found = check_plan(plan) if problems is None else problems
+    comm: list[JsonValue] = [
+        {"collective": v.collective, "op": v.op, "op_index": v.op_index, "group": v.group.value,
+         "group_size": v.group_size, "input_numel": v.input_numel, "output_numel": v.output_numel,
+         "dtype": _dtype(v.dtype), "bytes": v.bytes, "input_bytes": v.input_bytes, "output_bytes": v.output_bytes}
+        for v in comm_volume(plan)
+    ]
+    factors: JsonValue = None
+    if plan.factors is not None:
+        f = plan.factors
+        factors = {"pre": f.pre, "post": f.post, "reduce_scatter_op": str(f.reduce_scatter_op),
+                   "all_reduce_op": str(f.all_reduce_op), "total": f.total}
+    return {
+        "strategy": r.sharding.strategy.name,
+        "shard_size": r.sharding.shard_size,
+        "replicate_size": r.sharding.replicate_size,
+        "rank": r.sharding.rank,
+        "numel": r.layout.total_numel,
+        "padded_numel": r.sharding.padded_numel(r.layout),
+        "shard_numel": r.sharding.shard_numel(r.layout),
+        "compute_dtype": _dtype(r.compute_dtype),
+        "reduce_dtype": _dtype(r.reduce_dtype),
+        "grad_dtype": _dtype(r.grad_dtype),
+        "should_free_in_backward": plan.should_free_in_backward,
+        "destination": None if plan.destination is None else plan.destination.value,
+        "factors": factors,
+        "ops": [_op_json(op) for op in plan.ops],
+        "comm": comm,
+        "comm_bytes": sum(v.bytes for v in comm_volume(plan)),
+        "problems": [{"rule": p.rule.value, "op_index": p.op_index, "message": p.message} for p in found],
+    }

@@ -1,0 +1,127 @@
+"""A simulated timeline: when each op of a plan would run on its stream, under a cost model.
+
+Each stream runs its ops in order; a wait makes a stream start no earlier than the work it
+waits for ended. Collectives cost ``latency + wire bytes / link bandwidth``; element-wise ops
+cost the bytes they touch over device memory bandwidth; offloads cost their bytes over the
+host link. The numbers are a model for comparing plans, not a measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_core.comm import comm_volume
+from fsdp_core.ops import (
+    Accumulate,
+    Cast,
+    Divide,
+    EndOfBackwardWait,
+    GradViews,
+    Group,
+    Offload,
+    Op,
+    Pad,
+    Stream,
+    WaitStream,
+    op_name,
+)
+from fsdp_core.plan import Plan
+
+__all__ = ["CostModel", "TimelineEntry", "format_timeline", "simulate_timeline"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    """Bandwidths in bytes per second and a per-collective latency in seconds."""
+
+    device_bandwidth: float = 2.0e12
+    """Device memory bandwidth for element-wise ops (an H100's HBM is ~3e12)."""
+    shard_link_bandwidth: float = 1.5e11
+    """Per-rank bus bandwidth inside the shard group (NVLink-class)."""
+    replicate_link_bandwidth: float = 2.5e10
+    """Per-rank bus bandwidth across the replicate group (InfiniBand-class)."""
+    host_bandwidth: float = 2.5e10
+    """Device-to-host copy bandwidth (PCIe)."""
+    collective_latency: float = 2.0e-5
+
+    def __post_init__(self) -> None:
+        for name in ("device_bandwidth", "shard_link_bandwidth", "replicate_link_bandwidth", "host_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive bandwidth, got {getattr(self, name)}")
+        if self.collective_latency < 0:
+            raise ValueError(f"collective_latency: expected >= 0, got {self.collective_latency}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimelineEntry:
+    """One op's simulated interval, in seconds from the hook firing."""
+
+    op_index: int
+    op: str
+    stream: Stream
+    start: float
+    end: float
+
+
+def _elementwise_bytes(op: Op) -> int:
+    match op:
+        case Cast() | Pad():
+            return op.src.nbytes + op.dst.nbytes
+        case Divide():
+            return 2 * op.buffer.nbytes
+        case Accumulate():
+            return op.src.nbytes + 2 * op.dst.nbytes
+        case GradViews():
+            return 0
+        case _:
+            return 0
+
+
+def simulate_timeline(plan: Plan, cost: CostModel = CostModel()) -> tuple[TimelineEntry, ...]:
+    """Start and end of every op of ``plan`` under ``cost``."""
+    volumes = {v.op_index: v for v in comm_volume(plan)}
+    now = {s: 0.0 for s in Stream}
+    out: list[TimelineEntry] = []
+    for i, op in enumerate(plan.ops):
+        stream = op.stream
+        start = now[stream]
+        if isinstance(op, (WaitStream, EndOfBackwardWait)):
+            start = max(start, now[op.waits_for])
+            duration = 0.0
+        elif i in volumes:
+            v = volumes[i]
+            link = cost.shard_link_bandwidth if v.group is Group.SHARD else cost.replicate_link_bandwidth
+            duration = cost.collective_latency + v.bytes / link
+        elif isinstance(op, Offload):
+            duration = op.src.nbytes / cost.host_bandwidth
+        else:
+            duration = _elementwise_bytes(op) / cost.device_bandwidth
+        now[stream] = start + duration
+        out.append(TimelineEntry(op_index=i, op=op_name(op), stream=stream, start=start, end=start + duration))
+    return tuple(out)
+
+
+def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
+    """An ASCII chart of ``entries``: one row per stream, then the ops that take time."""
+    total = max((e.end for e in entries), default=0.0)
+    scale = width / total if total > 0 else 0.0
+    marks = {"reduce_scatter": "R", "all_reduce": "A", "comm_hook": "H", "offload": "O"}
+    rows = []
+    for stream in Stream:
+        cells = [" "] * width
+        for e in entries:
+            if e.stream is not stream or e.end <= e.start:
+                continue
+            lo = min(width - 1, int(e.start * scale))
+            hi = max(lo + 1, min(width, int(round(e.end * scale))))
+            for k in range(lo, hi):
+                cells[k] = marks.get(e.op, "=")
+        rows.append(f"  {stream.value:<14}|{''.join(cells)}|")
+    lines = [f"simulated timeline: {total * 1e3:.3f} ms (R reduce-scatter, A all-reduce, H comm hook, "
+             f"O offload, = element-wise)"]
+    lines += rows
+    for e in entries:
+        if e.end > e.start:
+            lines.append(f"  op {e.op_index:>2} {e.op:<15} {e.stream.value:<14} "
+                         f"{e.start * 1e3:9.3f} -> {e.end * 1e3:9.3f} ms")
+    return "\n".join(lines)
