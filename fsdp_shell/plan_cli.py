@@ -1,0 +1,189 @@
+"""``fsdp-plan``: print the post-backward plan for a configuration given on the command line.
+
+Shows the plan, its communication volume, the verifier's verdict and a simulated timeline, or
+one JSON object with ``--json``. Exit status: 0 for a sound plan, 1 when the verifier finds a
+problem, 2 for an invalid configuration (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import NoReturn, Sequence
+
+import torch
+
+from fsdp_core import (
+    BackendCaps,
+    CommHook,
+    CPUOffload,
+    Division,
+    DivisionPolicy,
+    FlatParamLayout,
+    MixedPrecision,
+    Plan,
+    ShardingSpec,
+    ShardingStrategy,
+    StepFlags,
+    check_plan,
+    comm_volume,
+    format_plan,
+    format_timeline,
+    plan_post_backward,
+    plan_to_json,
+    simulate_timeline,
+)
+
+__all__ = ["main", "parse_dtype", "plan_from_args"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """``float32``/``fp32``/``bfloat16``/... to a ``torch.dtype``."""
+    try:
+        return DTYPES[text.strip().lower().removeprefix("torch.")]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; accepted: float32, bfloat16, float16, float64"
+        ) from None
+
+
+def _numels(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(float(part)) if "e" in part.lower() else int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every numel must be >= 1, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``fsdp-plan``."""
+    p = _Parser(prog="fsdp-plan", description="Print FSDP's post-backward plan for one flat parameter.")
+    p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    p.add_argument("--world-size", type=_positive, default=8, help="data-parallel ranks (default 8)")
+    p.add_argument("--shard-size", type=_positive, default=None, help="hybrid: ranks per shard group (default: the world size)")
+    p.add_argument("--rank", type=int, default=0, help="the rank in the shard group whose plan to show (default 0)")
+    p.add_argument("--numel", type=_numels, default=(1001,),
+                   help="elements of the flat parameter, or a comma-separated list, one per original parameter")
+    p.add_argument("--dtype", type=parse_dtype, default=torch.float32, help="the parameters' own dtype (default float32)")
+    p.add_argument("--param-dtype", type=parse_dtype, default=None, help="mixed precision: compute dtype")
+    p.add_argument("--reduce-dtype", type=parse_dtype, default=None, help="mixed precision: reduction dtype")
+    p.add_argument("--keep-low-precision-grads", action="store_true")
+    p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
+    p.add_argument("--use-orig-params", action="store_true")
+    p.add_argument("--comm-hook", default="none",
+                   help="none, allreduce, reduce_scatter, fp16_compress, bf16_compress, user")
+    p.add_argument("--no-sync", action="store_true", help="a backward inside no_sync()")
+    p.add_argument("--accumulate", action="store_true", help="accumulate into an existing sharded gradient")
+    p.add_argument("--pending-unsharded", action="store_true", help="an unsharded gradient from earlier no_sync backwards exists")
+    p.add_argument("--no-all-reduce", action="store_true", help="hybrid: defer the replicate all-reduce (keep a partial)")
+    p.add_argument("--pending-partial", action="store_true", help="hybrid: a partial reduction from earlier backwards exists")
+    p.add_argument("--force-full-precision", action="store_true")
+    p.add_argument("--optimizer-in-backward", action="store_true")
+    p.add_argument("--division", default="pre_post", choices=[d.value for d in DivisionPolicy])
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="backend capabilities for --division in_collective")
+    p.add_argument("--divide-factor", type=float, default=None, help="divide the gradient sum by this instead of the world size")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """Build the plan an ``fsdp-plan`` command line asks for; raises ``ValueError``/``TypeError``."""
+    strategy = ShardingStrategy.parse(str(args.strategy))
+    sharding = ShardingSpec.for_world(strategy, args.world_size, args.shard_size, rank=args.rank)
+    numels: tuple[int, ...] = args.numel
+    names = ["w"] if len(numels) == 1 else [f"p{i}" for i in range(len(numels))]
+    mp = MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+                        keep_low_precision_grads=args.keep_low_precision_grads)
+    align_dtype = mp.compute_dtype(args.dtype)
+    layout = FlatParamLayout.of(
+        [(n, (k,)) for n, k in zip(names, numels)], args.dtype, align=args.use_orig_params, align_dtype=align_dtype
+    )
+    flags = StepFlags(
+        sync_gradients=not args.no_sync,
+        accumulate=args.accumulate,
+        pending_unsharded=args.pending_unsharded,
+        requires_all_reduce=not args.no_all_reduce,
+        pending_partial=args.pending_partial,
+        force_full_precision=args.force_full_precision,
+        optimizer_in_backward=args.optimizer_in_backward,
+    )
+    division = Division(policy=DivisionPolicy(args.division), backend=BackendCaps.for_backend(args.backend),
+                        factor=args.divide_factor)
+    return plan_post_backward(
+        layout,
+        sharding,
+        mixed_precision=mp,
+        offload=CPUOffload(offload_params=args.offload),
+        comm_hook=CommHook.parse(str(args.comm_hook)),
+        division=division,
+        use_orig_params=args.use_orig_params,
+        flags=flags,
+    )
+
+
+def _comm_table(plan: Plan) -> str:
+    volumes = comm_volume(plan)
+    if not volumes:
+        return "communication: none"
+    lines = ["communication per rank (ring algorithm):"]
+    for v in volumes:
+        lines.append(
+            f"  op {v.op_index:>2} {v.collective:<14} {v.group.value:<9} x{v.group_size:<5} "
+            f"in {v.input_numel} -> out {v.output_numel} {str(v.dtype).removeprefix('torch.')}: "
+            f"{v.bytes / 2**20:,.2f} MiB on the wire"
+        )
+    lines.append(f"  total {sum(v.bytes for v in volumes) / 2**20:,.2f} MiB")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fsdp-plan``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        plan = plan_from_args(args)
+    except (ValueError, TypeError) as exc:
+        print(f"fsdp-plan: error: {exc}", file=sys.stderr)
+        return 2
+    problems = check_plan(plan)
+    if args.json:
+        print(json.dumps(plan_to_json(plan, problems), indent=2))
+    else:
+        verdict = "verifier: sound" if not problems else "verifier: UNSOUND\n" + "\n".join(f"  {p}" for p in problems)
+        print("\n\n".join([format_plan(plan), _comm_table(plan), verdict, format_timeline(simulate_timeline(plan))]))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
