@@ -16,7 +16,6 @@ from fsdp_core.ops import (
     Cast,
     Divide,
     EndOfBackwardWait,
-    GradViews,
     Group,
     Offload,
     Op,
@@ -54,8 +53,10 @@ class CostModel:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TimelineEntry:
-    """One op's simulated interval, in seconds from the hook firing."""
+    """One op's simulated interval, in seconds from the first hook firing."""
 
+    unit: int
+    """Which flat parameter's post-backward (0 for the first) the op belongs to."""
     op_index: int
     op: str
     stream: Stream
@@ -71,25 +72,37 @@ def _elementwise_bytes(op: Op) -> int:
             return 2 * op.buffer.nbytes
         case Accumulate():
             return op.src.nbytes + 2 * op.dst.nbytes
-        case GradViews():
-            return 0
         case _:
             return 0
 
 
-def simulate_timeline(plan: Plan, cost: CostModel = CostModel()) -> tuple[TimelineEntry, ...]:
-    """Start and end of every op of ``plan`` under ``cost``."""
+def simulate_timeline(
+    plan: Plan, cost: CostModel = CostModel(), *, units: int = 1, backward_seconds: float = 0.0
+) -> tuple[TimelineEntry, ...]:
+    """Start and end of every op of ``plan`` under ``cost``.
+
+    ``units`` post-backwards of the same plan fire one after another, ``backward_seconds`` of
+    compute-stream work apart (the backward of the next unit), as for a model of ``units``
+    equal FSDP units; the end-of-backward ops run once, after the last. With hybrid strategies
+    this shows the all-reduce of one unit overlapping the reduce-scatter of the next.
+    """
+    if units < 1:
+        raise ValueError(f"units: expected >= 1, got {units}")
+    if backward_seconds < 0:
+        raise ValueError(f"backward_seconds: expected >= 0, got {backward_seconds}")
     volumes = {v.op_index: v for v in comm_volume(plan)}
     now = {s: 0.0 for s in Stream}
     out: list[TimelineEntry] = []
-    for i, op in enumerate(plan.ops):
+    hook = len(plan.hook_ops)
+
+    def run(unit: int, index: int, op: Op) -> None:
         stream = op.stream
         start = now[stream]
         if isinstance(op, (WaitStream, EndOfBackwardWait)):
             start = max(start, now[op.waits_for])
             duration = 0.0
-        elif i in volumes:
-            v = volumes[i]
+        elif index in volumes:
+            v = volumes[index]
             link = cost.shard_link_bandwidth if v.group is Group.SHARD else cost.replicate_link_bandwidth
             duration = cost.collective_latency + v.bytes / link
         elif isinstance(op, Offload):
@@ -97,15 +110,28 @@ def simulate_timeline(plan: Plan, cost: CostModel = CostModel()) -> tuple[Timeli
         else:
             duration = _elementwise_bytes(op) / cost.device_bandwidth
         now[stream] = start + duration
-        out.append(TimelineEntry(op_index=i, op=op_name(op), stream=stream, start=start, end=start + duration))
+        out.append(TimelineEntry(unit=unit, op_index=index, op=op_name(op), stream=stream,
+                                 start=start, end=start + duration))
+
+    for unit in range(units):
+        if backward_seconds > 0:
+            start = now[Stream.COMPUTE]
+            now[Stream.COMPUTE] = start + backward_seconds
+            out.append(TimelineEntry(unit=unit, op_index=-1, op="backward", stream=Stream.COMPUTE,
+                                     start=start, end=start + backward_seconds))
+        for index, op in enumerate(plan.ops[:hook]):
+            run(unit, index, op)
+    for index, op in enumerate(plan.ops[hook:], start=hook):
+        run(units - 1, index, op)
     return tuple(out)
 
 
 def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
     """An ASCII chart of ``entries``: one row per stream, then the ops that take time."""
     total = max((e.end for e in entries), default=0.0)
+    units = {e.unit for e in entries}
     scale = width / total if total > 0 else 0.0
-    marks = {"reduce_scatter": "R", "all_reduce": "A", "comm_hook": "H", "offload": "O"}
+    marks = {"reduce_scatter": "R", "all_reduce": "A", "comm_hook": "H", "offload": "O", "backward": "b"}
     rows = []
     for stream in Stream:
         cells = [" "] * width
@@ -117,11 +143,13 @@ def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
             for k in range(lo, hi):
                 cells[k] = marks.get(e.op, "=")
         rows.append(f"  {stream.value:<14}|{''.join(cells)}|")
-    lines = [f"simulated timeline: {total * 1e3:.3f} ms (R reduce-scatter, A all-reduce, H comm hook, "
-             f"O offload, = element-wise)"]
+    lines = [f"simulated timeline: {total * 1e3:.3f} ms (b backward, R reduce-scatter, A all-reduce, "
+             f"H comm hook, O offload, = element-wise)"]
     lines += rows
     for e in entries:
         if e.end > e.start:
-            lines.append(f"  op {e.op_index:>2} {e.op:<15} {e.stream.value:<14} "
+            unit = f"unit {e.unit} " if len(units) > 1 else ""
+            index = "  -" if e.op_index < 0 else f"{e.op_index:>3}"
+            lines.append(f"  {unit}op{index} {e.op:<15} {e.stream.value:<14} "
                          f"{e.start * 1e3:9.3f} -> {e.end * 1e3:9.3f} ms")
     return "\n".join(lines)

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--division", default="pre_post", choices=[d.value for d in DivisionPolicy])
     p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="backend capabilities for --division in_collective")
     p.add_argument("--divide-factor", type=float, default=None, help="divide the gradient sum by this instead of the world size")
+    p.add_argument("--units", type=_positive, default=1,
+                   help="timeline: simulate this many equal units' post-backwards back to back (default 1)")
+    p.add_argument("--backward-ms", type=float, default=0.0,
+                   help="timeline: compute-stream backward time between units, in ms (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -172,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.backward_ms < 0:
+            raise ValueError(f"--backward-ms: expected >= 0, got {args.backward_ms}")
         plan = plan_from_args(args)
     except (ValueError, TypeError) as exc:
         print(f"fsdp-plan: error: {exc}", file=sys.stderr)
@@ -181,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(plan_to_json(plan, problems), indent=2))
     else:
         verdict = "verifier: sound" if not problems else "verifier: UNSOUND\n" + "\n".join(f"  {p}" for p in problems)
-        print("\n\n".join([format_plan(plan), _comm_table(plan), verdict, format_timeline(simulate_timeline(plan))]))
+        print("\n\n".join([format_plan(plan), _comm_table(plan), verdict, format_timeline(
+            simulate_timeline(plan, units=args.units, backward_seconds=args.backward_ms / 1e3))]))
     return 1 if problems else 0
 
 
