@@ -108,8 +108,11 @@ class Division:
             or not isinstance(self.factor, (int, float))
             or not math.isfinite(self.factor)
             or self.factor <= 0
+            or not math.isfinite(1.0 / self.factor)
         ):
-            raise ValueError(f"divide_factor: expected None or a finite number > 0, got {self.factor!r}")
+            raise ValueError(
+                f"divide_factor: expected None or a finite number > 0 with a finite reciprocal, got {self.factor!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,8 +135,11 @@ class DivideFactors:
 
 
 def fsdp1_predivide_factor(world_size: int) -> int:
-    """FSDP1's ``_get_gradient_predivide_factor``: the largest power of two ``f`` dividing
-    ``world_size`` with ``f`` below ``world_size / f``, doubled while that holds."""
+    """FSDP1's ``_get_gradient_predivide_factor``, a power of two near ``sqrt(world_size)``.
+
+    Starting from 1, the factor doubles while the current factor divides ``world_size`` and is
+    below ``world_size / factor``. The last doubling is not re-checked, so the result need not
+    divide ``world_size`` (3 gives 2, 6 gives 4), exactly as in FSDP1."""
     factor = 1
     while world_size % factor == 0 and world_size / factor > factor:
         factor *= 2

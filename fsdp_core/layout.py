@@ -48,9 +48,9 @@ class ParamSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"params: every parameter needs a non-empty name, got {self.name!r}")
-        if not isinstance(self.shape, tuple) or not all(
-            isinstance(d, int) and d >= 0 for d in self.shape
-        ):
+        if not isinstance(self.shape, tuple) or not all(isinstance(d, int) for d in self.shape):
+            raise TypeError(f"params[{self.name!r}].shape: expected a tuple of ints, got {self.shape!r}")
+        if not all(d >= 0 for d in self.shape):
             raise ValueError(
                 f"params[{self.name!r}].shape: expected a tuple of non-negative ints, got {self.shape!r}"
             )

@@ -136,7 +136,8 @@ class Plan:
     request: PlanRequest
     ops: tuple[Op, ...]
     factors: DivideFactors | None
-    """The division used for the default collectives (None inside ``no_sync``)."""
+    """The division used for the default collectives; None inside ``no_sync`` and with a comm
+    hook (the hook's state divides)."""
 
     @property
     def hand_off(self) -> HandOff | None:

@@ -238,12 +238,14 @@ def _replicate_all_reduce(d: Draft) -> Draft:
         d = _emit(d2, *_release(d2, partial))
     d = _switch_stream(d, Stream.ALL_REDUCE)
     if r.comm_hook is not CommHook.NONE:
+        # The hook averaged over the shard group; what remains is one reduction over the
+        # replicate group, divided by the rule for a single collective of that size.
         rest = divide_factors(
-            shard_size=1, replicate_size=r.sharding.replicate_size, reduce_dtype=d.grad.dtype,
+            shard_size=r.sharding.replicate_size, replicate_size=1, reduce_dtype=d.grad.dtype,
             division=Division(policy=r.division.policy, backend=r.division.backend),
         )
         d = _divide(d, rest.pre)
-        ar = AllReduce(buffer=d.grad, group=Group.REPLICATE, reduce_op=rest.all_reduce_op, stream=d.stream)
+        ar = AllReduce(buffer=d.grad, group=Group.REPLICATE, reduce_op=rest.reduce_scatter_op, stream=d.stream)
         return _divide(_emit(d, ar), rest.post)
     assert d.factors is not None
     ar = AllReduce(buffer=d.grad, group=Group.REPLICATE, reduce_op=d.factors.all_reduce_op, stream=d.stream)

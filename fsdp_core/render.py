@@ -96,8 +96,10 @@ def _header(plan: Plan) -> list[str]:
     ]
     if plan.factors is not None:
         f = plan.factors
-        lines.append(f"  division: pre /{f.pre:g}, post /{f.post:g}, reduce-scatter {f.reduce_scatter_op}, "
-                     f"all-reduce {f.all_reduce_op} (total /{f.total:g})")
+        ops = (f"all-reduce {f.reduce_scatter_op}" if not s.strategy.is_sharded
+               else f"reduce-scatter {f.reduce_scatter_op}, all-reduce {f.all_reduce_op}" if s.strategy.is_hybrid
+               else f"reduce-scatter {f.reduce_scatter_op}")
+        lines.append(f"  division: pre /{f.pre:g}, post /{f.post:g}, {ops} (total /{f.total:g})")
     flags = r.flags
     lines.append(
         f"  comm hook: {r.comm_hook.value}; offload: {r.offload.offload_params}; use_orig_params: {r.use_orig_params}; "

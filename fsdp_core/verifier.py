@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp_core.config import ShardingStrategy
 from fsdp_core.layout import ShardView, unsharded_views
 from fsdp_core.ops import (
     Accumulate,
@@ -66,6 +67,7 @@ class Rule(enum.Enum):
     LEAK = "leak"
     HAND_OFF = "hand_off"
     VIEWS = "views"
+    RESHARD = "reshard"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,9 +95,11 @@ class _Value:
     reductions: Counter[Group]
     scale: float | None
     coverage: Coverage
+    sources: frozenset[InputRole] = frozenset()
+    """The inputs whose gradients this buffer's value includes."""
 
     def copy(self) -> _Value:
-        return _Value(Counter(self.reductions), self.scale, self.coverage)
+        return _Value(Counter(self.reductions), self.scale, self.coverage, self.sources)
 
 
 @dataclass(slots=True)
@@ -124,6 +128,8 @@ class _Expect:
     total_divisor: float | None
     inputs: frozenset[InputRole]
     views: tuple[ShardView, ...] | None
+    input_buffers: dict[InputRole, tuple[int, torch.dtype, Device]]
+    reshards: bool
 
 
 def expected_destination(r: PlanRequest) -> Destination:
@@ -148,18 +154,27 @@ def _expect(r: PlanRequest) -> _Expect:
     dest = expected_destination(r)
     total = r.layout.total_numel
     shard = -(-total // r.sharding.num_shards)
+    compute = r.layout.dtype if (f.force_full_precision or r.mixed_precision.param_dtype is None) else r.mixed_precision.param_dtype
+    reshards = strategy.is_sharded and (
+        f.sync_gradients or strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    )
+    buffers: dict[InputRole, tuple[int, torch.dtype, Device]] = {
+        InputRole.GRAD: (total, compute, Device.DEVICE),
+        InputRole.PENDING_UNSHARDED: (total, compute, Device.DEVICE),
+        InputRole.PENDING_PARTIAL: (shard, r.reduce_dtype, Device.DEVICE),
+    }
     inputs = {InputRole.GRAD}
     if f.pending_unsharded:
         inputs.add(InputRole.PENDING_UNSHARDED)
     if dest is Destination.UNSHARDED_GRAD:
-        compute = r.layout.dtype if (f.force_full_precision or r.mixed_precision.param_dtype is None) else r.mixed_precision.param_dtype
         views = unsharded_views(r.layout) if r.use_orig_params else None
-        return _Expect(dest, Counter(), Coverage.FULL, total, compute, Device.DEVICE, 1.0, frozenset(inputs), views)
+        return _Expect(dest, Counter(), Coverage.FULL, total, compute, Device.DEVICE, 1.0, frozenset(inputs), views,
+                       buffers, reshards)
     if f.pending_partial:
         inputs.add(InputRole.PENDING_PARTIAL)
     if dest is Destination.PARTIAL:
         return _Expect(dest, Counter({Group.SHARD: 1}), Coverage.SHARD, shard, r.reduce_dtype, Device.DEVICE,
-                       None, frozenset(inputs), None)
+                       None, frozenset(inputs), None, buffers, reshards)
     if f.accumulate:
         inputs.add(InputRole.SHARDED_GRAD)
     groups = Counter({Group.SHARD: 1})
@@ -172,7 +187,9 @@ def _expect(r: PlanRequest) -> _Expect:
     views = None
     if r.use_orig_params:
         views = r.sharding.shard_views(r.layout) if strategy.is_sharded else unsharded_views(r.layout)
-    return _Expect(dest, groups, coverage, numel, r.grad_dtype, device, divisor, frozenset(inputs), views)
+    buffers[InputRole.SHARDED_GRAD] = (numel, r.grad_dtype, device)
+    return _Expect(dest, groups, coverage, numel, r.grad_dtype, device, divisor, frozenset(inputs), views,
+                   buffers, reshards)
 
 
 class _Checker:
@@ -186,7 +203,8 @@ class _Checker:
         self.views: list[tuple[int, GradViews]] = []
         self.input_roles: list[InputRole] = []
         self.index = -1
-        self.end_of_backward = False
+        self.expect = _expect(plan.request)
+        self.reshards = 0
 
     def report(self, rule: Rule, message: str, index: int | None = None) -> None:
         self.problems.append(Problem(rule=rule, op_index=self.index if index is None else index, message=message))
@@ -218,8 +236,10 @@ class _Checker:
             self.report(Rule.USE_BEFORE_WRITE, f"{b.name} is used before anything produces it")
             return None
         if st.buffer != b:
-            self.report(Rule.DTYPE_MISMATCH if st.buffer.dtype != b.dtype else Rule.NUMEL_MISMATCH,
-                        f"{b} disagrees with how it was produced: {st.buffer}")
+            rule = (Rule.DTYPE_MISMATCH if st.buffer.dtype != b.dtype
+                    else Rule.NUMEL_MISMATCH if st.buffer.numel != b.numel
+                    else Rule.DEVICE_MISMATCH)
+            self.report(rule, f"{b} disagrees with how it was produced: {st.buffer}")
         if st.freed_at is not None:
             self.report(Rule.USE_AFTER_FREE, f"{b.name} is used after it was freed at op {st.freed_at}")
             return None
@@ -284,7 +304,6 @@ class _Checker:
                 self.tick(op.stream)
                 self.wait(op.stream, op.waits_for)
             case EndOfBackwardWait():
-                self.end_of_backward = True
                 self.tick(op.stream)
                 self.wait(op.stream, op.waits_for)
             case RecordStream():
@@ -296,6 +315,7 @@ class _Checker:
                 self.op_free(op)
             case FreeUnshardedParam():
                 self.tick(op.stream)
+                self.reshards += 1
             case Cast():
                 self.op_derive(op.src, op.dst, op.stream, same_numel=True, same_dtype=False)
             case Pad():
@@ -324,14 +344,26 @@ class _Checker:
     def op_input(self, op: Input) -> None:
         ev = self.tick(op.stream)
         self.input_roles.append(op.role)
+        exp = self.expect
+        sources = frozenset({op.role})
         if op.role in (InputRole.GRAD, InputRole.PENDING_UNSHARDED):
-            value = _Value(Counter(), 1.0, Coverage.FULL)
+            value = _Value(Counter(), 1.0, Coverage.FULL, sources)
         elif op.role is InputRole.SHARDED_GRAD:
-            exp = _expect(self.request)
             scale = None if exp.total_divisor is None else 1.0 / exp.total_divisor
-            value = _Value(Counter(exp.reductions), scale, exp.coverage)
+            value = _Value(Counter(exp.reductions), scale, exp.coverage, sources)
         else:
-            value = _Value(Counter({Group.SHARD: 1}), None, Coverage.SHARD)
+            value = _Value(Counter({Group.SHARD: 1}), None, Coverage.SHARD, sources)
+        want = exp.input_buffers.get(op.role)
+        b = op.buffer
+        if want is not None:
+            numel, dtype, device = want
+            what = f"input {b} ({op.role.value})"
+            if b.numel != numel:
+                self.report(Rule.NUMEL_MISMATCH, f"{what} should hold {numel} elements")
+            if b.dtype != dtype:
+                self.report(Rule.DTYPE_MISMATCH, f"{what} should be {dtype}")
+            if b.device is not device:
+                self.report(Rule.DEVICE_MISMATCH, f"{what} should be in {device.value} memory")
         self.produce(op.buffer, ev, value, is_input=True)
 
     def op_free(self, op: Free) -> None:
@@ -457,6 +489,7 @@ class _Checker:
                         f"(scaled {b.scale:.6g}) mixes differently divided gradients")
         if b.scale is None:
             b.scale = a.scale
+        b.sources = a.sources | b.sources
 
     def op_offload(self, op: Offload) -> None:
         if op.dst.device is not Device.HOST or op.src.device is not Device.DEVICE:
@@ -476,7 +509,10 @@ class _Checker:
     # -- the end --------------------------------------------------------------------------
 
     def finish(self) -> None:
-        exp = _expect(self.request)
+        exp = self.expect
+        if self.reshards != (1 if exp.reshards else 0):
+            verb = "free the unsharded parameter once" if exp.reshards else "keep the unsharded parameter"
+            self.report(Rule.RESHARD, f"the strategy and flags say to {verb}; the plan frees it {self.reshards} time(s)")
         if len(self.hand_offs) != 1:
             self.report(Rule.HAND_OFF, f"expected exactly one hand-off, found {len(self.hand_offs)}")
         for role in sorted(exp.inputs - set(self.input_roles), key=lambda r: r.value):
@@ -513,6 +549,11 @@ class _Checker:
         st = self.bufs.get(b.name)
         if st is None:
             return
+        missing = exp.inputs - st.value.sources
+        if missing:
+            names = ", ".join(sorted(m.value for m in missing))
+            self.report(Rule.DROPPED_GRADIENT,
+                        f"the handed-off {b.name} does not include the {names} gradient: it is dropped", index)
         got = +st.value.reductions
         if got != +exp.reductions:
             self.report(Rule.REDUCTION,
