@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import NoReturn, Sequence
 
-import torch
+# torch warns at import when NumPy is missing; fsdp-plan never touches NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from fsdp_core import (
+import torch  # noqa: E402  (after the warning filter)
+
+from fsdp_core import (  # noqa: E402
     BackendCaps,
     CommHook,
     CPUOffload,
