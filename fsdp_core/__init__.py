@@ -7,6 +7,8 @@ imports ``torch.distributed``, touches a tensor, keeps global state or does I/O.
 
 from fsdp_core.comm import CommVolume, comm_volume
 from fsdp_core.config import (
+    HYBRID_STRATEGIES,
+    RESHARD_AFTER_FORWARD_STRATEGIES,
     CommHook,
     CPUOffload,
     MixedPrecision,
@@ -87,6 +89,7 @@ __all__ = [
     "FreeUnshardedParam",
     "GradViews",
     "Group",
+    "HYBRID_STRATEGIES",
     "HandOff",
     "Input",
     "InputRole",
@@ -103,6 +106,7 @@ __all__ = [
     "RecordStream",
     "ReduceKind",
     "ReduceOpSpec",
+    "RESHARD_AFTER_FORWARD_STRATEGIES",
     "ReduceScatter",
     "Rule",
     "ShardBounds",

@@ -1,7 +1,13 @@
 """fsdp_shell: the imperative side of fsdp.
 
-It resolves the plans of ``fsdp_core`` against real process groups, streams and tensors. Today
-it holds the ``fsdp-plan`` command (``fsdp_shell.plan_cli``) and the simulated world
-(``fsdp_shell.simulated_world``), a reference interpreter that runs a plan for every rank of a
-world in one process; the ``nn.Module`` wrapper is being built on top of them.
+``FullyShardedDataParallel`` (alias ``FSDP``) is the ``nn.Module`` wrapper; it runs the plans of
+``fsdp_core`` on real process groups (NCCL on GPU, gloo on CPU), streams and autograd hooks
+through one interpreter (``fsdp_shell.interpreter``). ``fsdp_shell.comm_hooks`` has built-in
+communication hooks that also work on CPU; ``fsdp_shell.simulated_world`` runs a plan for
+every rank of a simulated world in one process; ``fsdp-plan`` is ``fsdp_shell.plan_cli``.
 """
+
+from fsdp_core import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_shell.fsdp import FSDP, FullyShardedDataParallel
+
+__all__ = ["CPUOffload", "FSDP", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy"]

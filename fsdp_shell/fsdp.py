@@ -1,0 +1,463 @@
+"""``FullyShardedDataParallel``: FSDP1's wrapper, with the post-backward run from verified plans.
+
+Each unit flattens the parameters its module owns (not those of nested units) into one
+``FlatParamHandle``. Forward all-gathers, runs the module on autograd views of the unsharded
+flat parameter, and reshards for ``FULL_SHARD``/``HYBRID_SHARD``. A hook on the forward's
+outputs re-gathers before the unit's backward. A post-accumulate-grad hook on the flat
+parameter looks up the cached plan for (unit, step flags) and runs its hook part; a callback
+queued on the autograd engine runs the deferred part of every plan, waits for the side streams
+and reshards what is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fsdp_core import (
+    RESHARD_AFTER_FORWARD_STRATEGIES,
+    CommHook,
+    CPUOffload,
+    Division,
+    FlatParamLayout,
+    Group,
+    InputRole,
+    MixedPrecision,
+    Plan,
+    PlanRequest,
+    ShardingSpec,
+    ShardingStrategy,
+    StepFlags,
+    Stream,
+    build_plan,
+)
+from fsdp_shell.comm_hooks import builtin_kind
+from fsdp_shell.compat import to_cpu_offload, to_mixed_precision, to_sharding_strategy
+from fsdp_shell.flat_param import FlatParamHandle, OrigParam
+from fsdp_shell.groups import ProcessGroups, resolve_groups
+from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun, StreamRuntime
+
+__all__ = ["FSDP", "FullyShardedDataParallel"]
+
+WrapPolicy = Callable[[nn.Module], bool]
+
+
+@dataclass
+class _Tree:
+    """State shared by every unit of one FSDP tree, owned by the root."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision
+    offload: CPUOffload
+    use_orig_params: bool
+    groups: ProcessGroups
+    device: torch.device
+    ctx: ExecContext
+    param_names: dict[int, str]
+    division: Division
+    units: list[FullyShardedDataParallel] = field(default_factory=list)
+    comm_hook: CommHookFn | None = None
+    comm_hook_kind: CommHook = CommHook.NONE
+    sync_gradients: bool = True
+    requires_all_reduce: bool = True
+    backward_started: bool = False
+    runs: list[PlanRun] = field(default_factory=list)
+    buffers: list[tuple[str, nn.Module, str]] = field(default_factory=list)
+
+
+def _policy(auto_wrap_policy: object) -> WrapPolicy | None:
+    if auto_wrap_policy is None:
+        return None
+    classes = getattr(auto_wrap_policy, "_module_classes", None)
+    if classes is not None:
+        auto_wrap_policy = set(classes)
+    if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
+        kinds = tuple(auto_wrap_policy)
+        if not all(isinstance(k, type) and issubclass(k, nn.Module) for k in kinds):
+            raise TypeError("auto_wrap_policy: a set must hold nn.Module classes")
+        return lambda m: isinstance(m, kinds)
+    if callable(auto_wrap_policy):
+        policy = auto_wrap_policy
+        return lambda m: bool(policy(m))
+    raise TypeError(
+        "auto_wrap_policy: expected None, a set of nn.Module classes, a callable(module) -> bool, "
+        f"or torch's ModuleWrapPolicy; got {auto_wrap_policy!r}"
+    )
+
+
+def _device(device_id: object, groups: ProcessGroups) -> torch.device:
+    if device_id is None:
+        if groups.backend == "nccl" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        return torch.device("cuda", device_id)
+    if isinstance(device_id, torch.device):
+        return device_id
+    raise TypeError(f"device_id: expected None, an int or a torch.device, got {device_id!r}")
+
+
+def _streams(device: torch.device) -> dict[Stream, StreamRuntime]:
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return {
+                Stream.COMPUTE: StreamRuntime(torch.cuda.current_stream()),
+                Stream.POST_BACKWARD: StreamRuntime(torch.cuda.Stream()),  # type: ignore[no-untyped-call]  # torch.cuda.Stream is unannotated
+                Stream.ALL_REDUCE: StreamRuntime(torch.cuda.Stream()),  # type: ignore[no-untyped-call]  # torch.cuda.Stream is unannotated
+            }
+    return {s: StreamRuntime() for s in Stream}
+
+
+class FullyShardedDataParallel(nn.Module):
+    """A drop-in for FSDP1's wrapper on the subset of its arguments in ``shared/API.md``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: object = None,
+        sharding_strategy: object = ShardingStrategy.FULL_SHARD,
+        cpu_offload: object = None,
+        auto_wrap_policy: object = None,
+        mixed_precision: object = None,
+        device_id: object = None,
+        use_orig_params: bool = False,
+        device_mesh: object = None,
+        *,
+        _tree: _Tree | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("module: already wrapped in FullyShardedDataParallel")
+        self._is_root = _tree is None
+        if _tree is None:
+            _tree = self._make_tree(module, process_group, sharding_strategy, cpu_offload, mixed_precision,
+                                    device_id, use_orig_params, device_mesh)
+            policy = _policy(auto_wrap_policy)
+            if policy is not None:
+                self._wrap_children(module, policy, _tree)
+        self._tree = _tree
+        self.module = module
+        self._pre_backward_ran = False
+        self._handle = self._make_handle(module, _tree)
+        _tree.units.append(self)
+        if self._handle is not None and not _tree.use_orig_params:
+            self.register_parameter("_flat_param", self._handle.flat_param)
+
+    # -- construction --------------------------------------------------------------------------
+
+    @staticmethod
+    def _make_tree(
+        module: nn.Module, process_group: object, sharding_strategy: object, cpu_offload: object,
+        mixed_precision: object, device_id: object, use_orig_params: object, device_mesh: object,
+    ) -> _Tree:
+        strategy = to_sharding_strategy(sharding_strategy)
+        mp = to_mixed_precision(mixed_precision)
+        offload = to_cpu_offload(cpu_offload)
+        if not isinstance(use_orig_params, bool):
+            raise TypeError(f"use_orig_params: expected a bool, got {use_orig_params!r}")
+        probe = torch.device(device_id) if isinstance(device_id, torch.device) else None
+        device_type = probe.type if probe is not None else ("cuda" if isinstance(device_id, int) else "cpu")
+        groups = resolve_groups(strategy, process_group, device_mesh, device_type)
+        device = _device(device_id, groups)
+        names: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in names:
+                raise ValueError(
+                    f"module: parameter {name} is shared with {names[id(p)]}; shared parameters are not supported"
+                )
+            names[id(p)] = name
+        module.to(device)
+        ctx = ExecContext(
+            groups={Group.SHARD: groups.shard, **({Group.REPLICATE: groups.replicate} if groups.replicate else {})},
+            streams=_streams(device),
+        )
+        tree = _Tree(strategy=strategy, mixed_precision=mp, offload=offload, use_orig_params=use_orig_params,
+                     groups=groups, device=device, ctx=ctx, param_names=names,
+                     division=Division(backend=groups.caps))
+        for mod_name, mod in module.named_modules():
+            for buf_name in mod._buffers:
+                if mod._buffers[buf_name] is not None:
+                    tree.buffers.append((f"{mod_name}.{buf_name}" if mod_name else buf_name, mod, buf_name))
+        return tree
+
+    @staticmethod
+    def _wrap_children(module: nn.Module, policy: WrapPolicy, tree: _Tree) -> None:
+        for name, child in list(module.named_children()):
+            if isinstance(child, FullyShardedDataParallel):
+                continue
+            FullyShardedDataParallel._wrap_children(child, policy, tree)
+            if policy(child) and any(True for _ in child.parameters()):
+                setattr(module, name, FullyShardedDataParallel(child, _tree=tree))
+
+    def _owned_params(self, module: nn.Module) -> list[OrigParam]:
+        out: list[OrigParam] = []
+
+        def visit(m: nn.Module) -> None:
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    out.append(OrigParam(module=m, attr=attr, fqn=self._tree_names[id(p)], param=p))
+            for child in m.children():
+                if not isinstance(child, FullyShardedDataParallel):
+                    visit(child)
+
+        visit(module)
+        return out
+
+    def _make_handle(self, module: nn.Module, tree: _Tree) -> FlatParamHandle | None:
+        self._tree_names = tree.param_names
+        params = self._owned_params(module)
+        if not params:
+            return None
+        dtypes = {p.param.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"module: one FSDP unit needs one parameter dtype, got {sorted(map(str, dtypes))}")
+        if len({p.param.requires_grad for p in params}) != 1:
+            raise ValueError("module: one FSDP unit needs all its parameters to require grad, or none")
+        (dtype,) = dtypes
+        compute = tree.mixed_precision.compute_dtype(dtype)
+        layout = FlatParamLayout.of([(p.fqn, tuple(p.param.shape)) for p in params], dtype,
+                                    align=tree.use_orig_params, align_dtype=compute)
+        sharding = ShardingSpec(strategy=tree.strategy, shard_size=tree.groups.shard_size,
+                                replicate_size=tree.groups.replicate_size, rank=tree.groups.shard.rank())
+        request = PlanRequest(layout=layout, sharding=sharding, mixed_precision=tree.mixed_precision,
+                              offload=tree.offload, comm_hook=tree.comm_hook_kind, division=tree.division,
+                              use_orig_params=tree.use_orig_params)
+        handle = FlatParamHandle(params, base_request=request, shard_group=tree.groups.shard, device=tree.device)
+        self._plans: dict[StepFlags, Plan] = {}
+        if params[0].param.requires_grad:
+            handle.flat_param.register_post_accumulate_grad_hook(self._post_backward)  # type: ignore[no-untyped-call]  # unannotated in torch
+        return handle
+
+    # -- public API ----------------------------------------------------------------------------
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """FSDP's process group (the shard group for hybrid strategies)."""
+        return self._tree.groups.shard
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The replicate group of hybrid strategies."""
+        return self._tree.groups.replicate
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._tree.strategy
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate the unsharded gradient locally; nothing is communicated."""
+        self._require_root("no_sync")
+        previous = self._tree.sync_gradients
+        self._tree.sync_gradients = False
+        try:
+            yield
+        finally:
+            self._tree.sync_gradients = previous
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """Hybrid only: False defers the replicate all-reduce, keeping a partial reduction that
+        the next backward with True folds in (FSDP2's gradient-accumulation saving)."""
+        self._require_root("set_requires_all_reduce")
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"requires_all_reduce: expected a bool, got {requires_all_reduce!r}")
+        if not requires_all_reduce and not self._tree.strategy.is_hybrid:
+            raise ValueError(f"requires_all_reduce: only hybrid strategies can defer the all-reduce, not {self._tree.strategy.name}")
+        self._tree.requires_all_reduce = requires_all_reduce
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Replace the shard-group collective by ``hook(state, grad, output=None)`` (FSDP1's signature)."""
+        self._require_root("register_comm_hook")
+        if not callable(hook):
+            raise TypeError(f"hook: expected a callable, got {hook!r}")
+        if self._tree.comm_hook is not None:
+            raise AssertionError("register_comm_hook: a communication hook is already registered")
+        kind = builtin_kind(hook)
+        for unit in self._tree.units:
+            if unit._handle is not None:
+                unit._handle.request = dataclasses.replace(unit._handle.request, comm_hook=kind)
+                unit._plans.clear()
+
+        def bound(grad: torch.Tensor, output: torch.Tensor | None) -> None:
+            if output is None:
+                hook(state, grad)
+            else:
+                hook(state, grad, output)
+
+        self._tree.comm_hook = bound
+        self._tree.comm_hook_kind = kind
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded values under the original parameter and buffer names, on every rank."""
+        self._require_root("full_state_dict")
+        values: dict[str, torch.Tensor] = {}
+        for unit in self._tree.units:
+            if unit._handle is not None:
+                values.update(unit._handle.full_values())
+        for fqn, mod, name in self._tree.buffers:
+            buf = mod._buffers[name]
+            assert buf is not None
+            values[fqn] = buf.detach().clone()
+        order = {name: i for i, name in enumerate(self._tree.param_names.values())}
+        return dict(sorted(values.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full values (as ``full_state_dict`` returns them) into the shards and buffers."""
+        self._require_root("load_full_state_dict")
+        expected = set(self._tree.param_names.values()) | {fqn for fqn, _, _ in self._tree.buffers}
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise ValueError(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for unit in self._tree.units:
+            if unit._handle is not None:
+                for spec in unit._handle.layout.params:
+                    got = tuple(state_dict[spec.name].shape)
+                    if got != spec.shape:
+                        raise ValueError(f"state_dict[{spec.name!r}]: shape {got}, expected {spec.shape}")
+                unit._handle.load_values(state_dict)
+        with torch.no_grad():
+            for fqn, mod, name in self._tree.buffers:
+                buf = mod._buffers[name]
+                assert buf is not None
+                buf.copy_(state_dict[fqn])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients by their total norm across all shards; returns that norm."""
+        self._require_root("clip_grad_norm_")
+        p = float(norm_type)
+        device = self._tree.device
+        sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
+        grads: list[torch.Tensor] = []
+        for unit in self._tree.units:
+            h = unit._handle
+            if h is None:
+                continue
+            g = h.flat_param.grad if not self._tree.use_orig_params else (
+                h.flat_grad if any(q.param.grad is not None for q in h.params) else None)
+            if g is None:
+                continue
+            grads.append(g)
+            local = torch.linalg.vector_norm(g.detach().float(), p).to(device)
+            if p == float("inf"):
+                target = sharded if h.is_sharded else replicated
+                target.copy_(torch.maximum(target, local))
+            elif h.is_sharded:
+                sharded += local**p
+            else:
+                replicated += local**p
+        if p == float("inf"):
+            dist.all_reduce(sharded, op=dist.ReduceOp.MAX, group=self._tree.groups.shard)
+            total = torch.maximum(sharded, replicated)
+        else:
+            dist.all_reduce(sharded, group=self._tree.groups.shard)
+            total = (sharded + replicated) ** (1.0 / p)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef.to(g.device, g.dtype))
+        return total
+
+    # -- forward and backward -------------------------------------------------------------------
+
+    def _require_root(self, what: str) -> None:
+        if not self._is_root:
+            raise RuntimeError(f"{what}: call it on the root FullyShardedDataParallel module")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tree, h = self._tree, self._handle
+        if self._is_root:
+            for s in tree.ctx.streams.values():
+                s.drain()
+        if h is not None:
+            h.unshard()
+            h.use_unsharded_views()
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            if h is not None:
+                h.restore_params()
+        if h is not None:
+            grad_on = torch.is_grad_enabled()
+            reshard = tree.strategy in RESHARD_AFTER_FORWARD_STRATEGIES and not self._is_root
+            if reshard or not grad_on:
+                h.free_unsharded()
+        if torch.is_grad_enabled():
+            self._register_pre_backward(out)
+        return out
+
+    def _register_pre_backward(self, out: object) -> None:
+        leaves, _ = tree_flatten(out)
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]  # unannotated in torch
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        tree = self._tree
+        if not tree.backward_started:
+            tree.backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._tree_final_callback)
+        if not self._pre_backward_ran and self._handle is not None:
+            self._pre_backward_ran = True
+            self._handle.prepare_for_backward()
+            self._handle.unshard()
+        return grad
+
+    def _flags(self, h: FlatParamHandle) -> StepFlags:
+        tree = self._tree
+        sync = tree.sync_gradients
+        return StepFlags(
+            sync_gradients=sync,
+            accumulate=h.saved_grad is not None,
+            pending_unsharded=h.pending_unsharded is not None,
+            requires_all_reduce=tree.requires_all_reduce or not sync,
+            pending_partial=h.partial is not None,
+        )
+
+    def _post_backward(self, param: torch.Tensor) -> None:
+        h = self._handle
+        assert h is not None
+        grad = h.take_grad()
+        flags = self._flags(h)
+        plan = self._plans.get(flags)
+        if plan is None:
+            plan = self._plans[flags] = build_plan(dataclasses.replace(h.request, flags=flags))
+        inputs = {InputRole.GRAD: grad}
+        if h.pending_unsharded is not None:
+            inputs[InputRole.PENDING_UNSHARDED] = h.pending_unsharded
+        if h.saved_grad is not None:
+            inputs[InputRole.SHARDED_GRAD] = h.saved_grad
+        if h.partial is not None:
+            inputs[InputRole.PENDING_PARTIAL] = h.partial
+        run = PlanRun(plan=plan, ctx=self._tree.ctx, owner=h, inputs=inputs, comm_hook=self._tree.comm_hook)
+        run.hook_phase()
+        self._tree.runs.append(run)
+
+    def _tree_final_callback(self) -> None:
+        tree = self._tree
+        runs, tree.runs = tree.runs, []
+        for run in runs:
+            run.callback_phase()
+        for s in tree.ctx.streams.values():
+            s.drain()
+        keep = not tree.sync_gradients and tree.strategy not in RESHARD_AFTER_FORWARD_STRATEGIES
+        for unit in tree.units:
+            unit._pre_backward_ran = False
+            h = unit._handle
+            if h is None:
+                continue
+            if h.unsharded and not keep:
+                h.free_unsharded()
+            h.restore_saved_grad()
+        tree.backward_started = False
+
+
+FSDP = FullyShardedDataParallel

@@ -1,0 +1,97 @@
+"""Resolve FSDP's process groups from ``process_group`` / ``device_mesh`` and check them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_core import BackendCaps, ShardingStrategy
+
+__all__ = ["ProcessGroups", "resolve_groups"]
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The shard group (FSDP's process group) and, for hybrid strategies, the replicate group."""
+
+    shard: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard.size()
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate is None else self.replicate.size()
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.shard)).lower()
+
+    @property
+    def caps(self) -> BackendCaps:
+        name = self.backend
+        return BackendCaps.for_backend(name) if name in ("nccl", "gloo") else BackendCaps()
+
+
+def _hybrid_default(device_type: str) -> ProcessGroups:
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local < 1 or world % local:
+        raise ValueError(
+            "process_group: hybrid strategies need (shard_group, replicate_group), a 2-D device_mesh, "
+            "or LOCAL_WORLD_SIZE (set by torchrun) dividing the world size"
+        )
+    mesh = init_device_mesh(device_type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+    return ProcessGroups(shard=mesh.get_group(1), replicate=mesh.get_group(0))
+
+
+def resolve_groups(
+    strategy: ShardingStrategy,
+    process_group: object,
+    device_mesh: object,
+    device_type: str,
+) -> ProcessGroups:
+    """The groups for ``strategy``; raises ``ValueError``/``TypeError`` naming the argument."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("FullyShardedDataParallel needs torch.distributed.init_process_group() first")
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("process_group, device_mesh: pass one of them, not both")
+    if device_mesh is not None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"device_mesh: expected a DeviceMesh, got {device_mesh!r}")
+        if device_mesh.ndim == 1:
+            groups = ProcessGroups(shard=device_mesh.get_group(0), replicate=None)
+        elif device_mesh.ndim == 2:
+            groups = ProcessGroups(shard=device_mesh.get_group(1), replicate=device_mesh.get_group(0))
+        else:
+            raise ValueError(f"device_mesh: expected 1-D (shard) or 2-D (replicate, shard), got {device_mesh.ndim}-D")
+    elif isinstance(process_group, tuple):
+        if len(process_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in process_group):
+            raise TypeError("process_group: expected a ProcessGroup or a (shard_group, replicate_group) pair")
+        groups = ProcessGroups(shard=process_group[0], replicate=process_group[1])
+    elif isinstance(process_group, dist.ProcessGroup):
+        groups = ProcessGroups(shard=process_group, replicate=None)
+    elif process_group is None:
+        if strategy.is_hybrid:
+            return _hybrid_default(device_type)
+        world = dist.group.WORLD
+        assert isinstance(world, dist.ProcessGroup)
+        groups = ProcessGroups(shard=world, replicate=None)
+    else:
+        raise TypeError(f"process_group: expected a ProcessGroup, a pair of them, or None, got {process_group!r}")
+    if strategy.is_hybrid and groups.replicate is None:
+        raise ValueError(
+            f"process_group: {strategy.name} needs a replicate group: pass (shard_group, replicate_group) "
+            "or a 2-D device_mesh"
+        )
+    if not strategy.is_hybrid and groups.replicate is not None:
+        raise ValueError(
+            f"process_group: {strategy.name} takes one group; a (shard, replicate) pair or 2-D mesh needs "
+            "HYBRID_SHARD or HYBRID_SHARD_ZERO2"
+        )
+    return groups
