@@ -178,6 +178,7 @@ class FlatParamHandle:
         accumulate into unless the user has zeroed it (``set_to_none``)."""
         if self.use_orig_params:
             if all(p.param.grad is None for p in self.params):
+                self.flat_grad = None
                 self.saved_grad = None
                 self.pending_unsharded = None
             else:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_core import (
     RESHARD_AFTER_FORWARD_STRATEGIES,
@@ -113,6 +113,13 @@ def _streams(device: torch.device) -> dict[Stream, StreamRuntime]:
                 Stream.ALL_REDUCE: StreamRuntime(torch.cuda.Stream()),  # type: ignore[no-untyped-call]  # torch.cuda.Stream is unannotated
             }
     return {s: StreamRuntime() for s in Stream}
+
+
+def _cast_floating(x: object, dtype: torch.dtype) -> object:
+    """FSDP1's root input cast: floating-point tensors to the compute dtype."""
+    if isinstance(x, torch.Tensor) and torch.is_floating_point(x):
+        return x.to(dtype)
+    return x
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -377,6 +384,9 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root:
             for s in tree.ctx.streams.values():
                 s.drain()
+            low = tree.mixed_precision.param_dtype
+            if low is not None:
+                args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
         if h is not None:
             h.unshard()
             h.use_unsharded_views()

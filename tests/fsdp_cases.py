@@ -1,0 +1,266 @@
+"""Training cases run inside a gloo world: fsdp_shell vs. a single-process reference vs. FSDP1.
+
+Each case trains the same small nested model for a few optimizer steps. The reference is a
+plain ``nn.Module`` in the same process trained on the concatenation of every rank's batch
+(the mean loss over the global batch), so it is computed without any of the code under test.
+Where PyTorch's FSDP1 supports the configuration, it trains in the same world with the same
+arguments. After every step every parameter is compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+from fsdp_core import CPUOffload, Group, MixedPrecision, ShardingStrategy
+from fsdp_shell import FSDP, comm_hooks
+
+BATCH = 3
+"""Rows of each rank's micro-batch."""
+
+
+class Block(nn.Module):
+    """A unit of its own under the wrap policy: uneven parameter counts force padding."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+        self.norm = nn.LayerNorm(d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)))
+
+
+class Net(nn.Module):
+    """Root-owned embedding-like layer, two wrapped blocks, an unused block, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 5)
+        self.blocks = nn.Sequential(Block(5, 7), Block(7, 3))
+        self.spare = Block(3, 3)
+        self.head = nn.Linear(3, 1)
+        self.register_buffer("scale", torch.tensor([1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x))) * self.scale
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training configuration."""
+
+    name: str
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    use_orig_params: bool = False
+    mp: str | None = None
+    offload: bool = False
+    hook: str | None = None
+    no_sync: int = 0
+    accumulate: int = 1
+    clip: float | None = None
+    fsdp1: bool = True
+    hybrid: str = "mesh"
+    defer_all_reduce: bool = False
+    steps: int = 3
+
+
+@dataclass
+class Outcome:
+    """What a case measured on one rank."""
+
+    ref_diff: float = 0.0
+    fsdp1_diff: float | None = None
+    hook_calls: int = 0
+    collectives_in_no_sync: int = 0
+    reduce_dtypes: list[str] = field(default_factory=list)
+    spare_grads_none: bool = True
+    norm_diff: float = 0.0
+    state_dict_diff: float = 0.0
+
+
+def _data(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(world * BATCH, 6, generator=g), torch.randn(world * BATCH, 1, generator=g)
+
+
+def _mp(case: Case) -> tuple[MixedPrecision | None, TorchMixedPrecision | None]:
+    if case.mp == "bf16":
+        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), TorchMixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case.mp == "bf16-reduce":
+        return MixedPrecision(reduce_dtype=torch.bfloat16), TorchMixedPrecision(reduce_dtype=torch.bfloat16)
+    return None, None
+
+
+def _groups(case: Case, world: int) -> dict[str, object]:
+    if not case.strategy.is_hybrid:
+        return {}
+    if case.hybrid == "mesh":
+        return {"device_mesh": init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))}
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return {"process_group": (mesh.get_group(1), mesh.get_group(0))}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _torch_full(model: TorchFSDP) -> dict[str, torch.Tensor]:
+    cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+    with TorchFSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _step_model(
+    model: nn.Module, opt: torch.optim.Optimizer, case: Case, step: int, world: int, rank: int,
+    no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
+    before_last: Callable[[], None] = lambda: None,
+) -> None:
+    micro = case.no_sync + case.accumulate
+    for m in range(micro):
+        x, y = _data(step, m, world)
+        if rank >= 0:
+            x, y = x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
+        in_no_sync = m < case.no_sync and no_sync is not None
+        if m == micro - 1:
+            before_last()
+        with no_sync() if (in_no_sync and no_sync is not None) else contextlib.nullcontext():
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+
+
+def run_case(rank: int, world: int, case: Case) -> Outcome:
+    """Train ``case`` here and measure it against the reference and FSDP1."""
+    outcome = Outcome()
+    torch.manual_seed(0)
+    ref = Net()
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    ours_module = Net()
+    ours_module.load_state_dict(init)
+    mp, torch_mp = _mp(case)
+    kwargs = _groups(case, world)
+    model = FSDP(ours_module, sharding_strategy=case.strategy, auto_wrap_policy={Block},
+                 mixed_precision=mp, cpu_offload=CPUOffload(offload_params=case.offload),
+                 use_orig_params=case.use_orig_params, **kwargs)
+    if case.hook is not None:
+        calls = [0]
+        hook, state = _hook(case, model)
+
+        def counted(state: object, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
+            calls[0] += 1
+            if output is None:
+                hook(state, grad)
+            else:
+                hook(state, grad, output)
+
+        counted.__name__ = getattr(hook, "__name__", "hook")
+        counted.__module__ = getattr(hook, "__module__", __name__)
+        model.register_comm_hook(state, counted)
+    theirs: TorchFSDP | None = None
+    if case.fsdp1:
+        torch_module = Net()
+        torch_module.load_state_dict(init)
+        theirs = TorchFSDP(torch_module, sharding_strategy=_torch_strategy(case.strategy),
+                           auto_wrap_policy=functools.partial(_torch_policy), mixed_precision=torch_mp,
+                           use_orig_params=case.use_orig_params, device_id=torch.device("cpu"), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    topt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9) if theirs is not None else None
+    collectives = model._tree.ctx.collectives
+
+    def ours_no_sync() -> contextlib.AbstractContextManager[None]:
+        return _counting(model.no_sync(), collectives, outcome)
+
+    def before_last() -> None:
+        if case.defer_all_reduce:
+            model.set_requires_all_reduce(True)
+
+    for step in range(case.steps):
+        if case.defer_all_reduce:
+            model.set_requires_all_reduce(False)
+        _step_model(model, opt, case, step, world, rank, ours_no_sync, before_last)
+        _step_model(ref, ropt, case, step, world, -1, None)
+        if theirs is not None and topt is not None:
+            _step_model(theirs, topt, case, step, world, rank, theirs.no_sync)
+        if case.clip is not None:
+            ours_norm = model.clip_grad_norm_(case.clip)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
+            outcome.norm_diff = max(outcome.norm_diff, float((ours_norm - ref_norm).abs()))
+            if theirs is not None:
+                theirs.clip_grad_norm_(case.clip)
+        outcome.spare_grads_none &= all(p.grad is None for n, p in model.named_parameters() if "spare" in n)
+        for o in (opt, ropt, topt):
+            if o is not None:
+                o.step()
+                o.zero_grad()
+        full = model.full_state_dict()
+        outcome.ref_diff = max(outcome.ref_diff, _max_diff(full, ref.state_dict()))
+        if theirs is not None:
+            d = _max_diff(full, _torch_full(theirs))
+            outcome.fsdp1_diff = d if outcome.fsdp1_diff is None else max(outcome.fsdp1_diff, d)
+    outcome.reduce_dtypes = sorted({str(dtype) for kind, group, dtype, _ in collectives if group is Group.SHARD})
+    if case.hook is not None:
+        outcome.hook_calls = calls[0]
+    outcome.state_dict_diff = _round_trip(model, rank)
+    return outcome
+
+
+def _round_trip(model: FSDP, rank: int) -> float:
+    full = model.full_state_dict()
+    changed = {k: v + 1.0 for k, v in full.items()}
+    model.load_full_state_dict(changed)
+    back = model.full_state_dict()
+    model.load_full_state_dict(full)
+    return _max_diff(back, changed)
+
+
+def _torch_strategy(strategy: ShardingStrategy) -> TorchStrategy:
+    name = "_HYBRID_SHARD_ZERO2" if strategy is ShardingStrategy.HYBRID_SHARD_ZERO2 else strategy.name
+    return TorchStrategy[name]
+
+
+def _torch_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return recurse or isinstance(module, Block)
+
+
+@contextlib.contextmanager
+def _counting(cm: contextlib.AbstractContextManager[None], log: list[tuple[str, Group, torch.dtype, int]],
+              outcome: Outcome) -> Iterator[None]:
+    before = len(log)
+    with cm:
+        yield
+    outcome.collectives_in_no_sync += len(log) - before
+
+
+def _hook(case: Case, model: FSDP) -> tuple[Callable[..., None], object]:
+    group = model.process_group
+    if case.hook == "torch-default":
+        state = default_hooks.DefaultState(group)
+        fn = default_hooks.allreduce_hook if not case.strategy.is_sharded else default_hooks.reduce_scatter_hook
+        return fn, state
+    ours = {
+        "allreduce": comm_hooks.allreduce_hook,
+        "reduce_scatter": comm_hooks.reduce_scatter_hook,
+        "fp16": comm_hooks.fp16_compress_hook,
+        "bf16": comm_hooks.bf16_compress_hook,
+    }[str(case.hook)]
+    return ours, comm_hooks.DefaultState(group)
+
+
+def run_cases(rank: int, world: int, cases: tuple[Case, ...]) -> dict[str, Outcome]:
+    """Every case in turn in this world (one world start for many cases)."""
+    return {case.name: run_case(rank, world, case) for case in cases}

@@ -1,0 +1,94 @@
+"""fsdp_shell.FullyShardedDataParallel on real gloo worlds: trains exactly like the reference.
+
+World 2 for the flat strategies, world 4 = 2 x 2 for the hybrid ones. Each world runs many
+cases (starting a world costs seconds); every case compares every parameter after every
+optimizer step with a single-process reference trained on all ranks' batches, and with
+PyTorch's FSDP1 where FSDP1 supports the case.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_core import ShardingStrategy
+from tests.dist_harness import run_world
+from tests.fsdp_cases import Case, Outcome, run_cases
+
+FULL, GRAD_OP, NO_SHARD = ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD
+HYBRID, HYBRID2 = ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2
+FP32_TOL = 1e-5
+BF16_TOL = 5e-2
+
+FLAT_CASES: tuple[Case, ...] = (
+    *(Case(name=f"{s.name}-orig{o}", strategy=s, use_orig_params=o) for s in (FULL, GRAD_OP, NO_SHARD) for o in (False, True)),
+    Case(name="FULL-bf16", mp="bf16"),
+    Case(name="FULL-bf16-orig", mp="bf16", use_orig_params=True),
+    Case(name="GRAD_OP-bf16-reduce", strategy=GRAD_OP, mp="bf16-reduce"),
+    Case(name="FULL-offload", offload=True, fsdp1=False),
+    Case(name="FULL-offload-orig-accumulate", offload=True, use_orig_params=True, accumulate=2, fsdp1=False),
+    Case(name="FULL-no_sync", no_sync=2),
+    Case(name="GRAD_OP-no_sync-orig", strategy=GRAD_OP, no_sync=1, use_orig_params=True),
+    Case(name="NO_SHARD-no_sync", strategy=NO_SHARD, no_sync=2),
+    Case(name="FULL-accumulate", accumulate=2),
+    Case(name="FULL-no_sync-then-accumulate", no_sync=1, accumulate=2),
+    Case(name="FULL-clip", clip=0.05),
+    Case(name="NO_SHARD-clip-orig", strategy=NO_SHARD, clip=0.05, use_orig_params=True),
+    Case(name="FULL-hook-torch-default", hook="torch-default"),
+    Case(name="NO_SHARD-hook-torch-default", strategy=NO_SHARD, hook="torch-default"),
+    Case(name="FULL-hook-allreduce", hook="allreduce", fsdp1=False),
+    Case(name="FULL-hook-reduce_scatter", hook="reduce_scatter", fsdp1=False),
+    Case(name="FULL-hook-fp16", hook="fp16", fsdp1=False),
+    Case(name="NO_SHARD-hook-bf16", strategy=NO_SHARD, hook="bf16", fsdp1=False),
+)
+
+HYBRID_CASES: tuple[Case, ...] = (
+    *(Case(name=f"{s.name}-orig{o}", strategy=s, use_orig_params=o) for s in (HYBRID, HYBRID2) for o in (False, True)),
+    Case(name="HYBRID-tuple-groups", strategy=HYBRID, hybrid="tuple"),
+    Case(name="HYBRID-bf16", strategy=HYBRID, mp="bf16"),
+    Case(name="HYBRID-no_sync", strategy=HYBRID, no_sync=1),
+    Case(name="HYBRID2-accumulate-clip", strategy=HYBRID2, accumulate=2, clip=0.05),
+    Case(name="HYBRID-deferred-all-reduce", strategy=HYBRID, accumulate=3, defer_all_reduce=True, fsdp1=False),
+    Case(name="HYBRID-hook-reduce_scatter", strategy=HYBRID, hook="reduce_scatter", fsdp1=False),
+    Case(name="HYBRID2-hook-torch-default", strategy=HYBRID2, hook="torch-default", fsdp1=False),
+    Case(name="HYBRID-offload-orig", strategy=HYBRID, offload=True, use_orig_params=True, fsdp1=False),
+)
+
+
+@pytest.fixture(scope="module")
+def flat_world() -> list[dict[str, Outcome]]:
+    return run_world(2, run_cases, FLAT_CASES, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def hybrid_world() -> list[dict[str, Outcome]]:
+    return run_world(4, run_cases, HYBRID_CASES, timeout=600)
+
+
+def _check(case: Case, outcomes: list[Outcome]) -> None:
+    tol = BF16_TOL if case.mp is not None or case.hook in ("fp16", "bf16") else FP32_TOL
+    for rank, o in enumerate(outcomes):
+        assert o.ref_diff < tol, f"{case.name} rank {rank}: differs from the reference by {o.ref_diff}"
+        if case.fsdp1:
+            assert o.fsdp1_diff is not None and o.fsdp1_diff < tol, f"{case.name} rank {rank}: vs FSDP1 {o.fsdp1_diff}"
+        assert o.spare_grads_none, f"{case.name}: the unused unit got a gradient"
+        assert o.state_dict_diff == 0.0
+        if case.no_sync:
+            assert o.collectives_in_no_sync == 0, f"{case.name}: {o.collectives_in_no_sync} reductions inside no_sync"
+        if case.hook is not None:
+            assert o.hook_calls > 0, f"{case.name}: the hook was never called"
+        if case.clip is not None:
+            assert o.norm_diff < tol
+        if case.mp == "bf16-reduce":
+            assert o.reduce_dtypes == ["torch.bfloat16"]
+        elif case.mp == "bf16":
+            assert o.reduce_dtypes == ["torch.float32"]
+
+
+@pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: c.name)
+def test_flat_strategies_train_like_the_reference(case: Case, flat_world: list[dict[str, Outcome]]) -> None:
+    _check(case, [per_rank[case.name] for per_rank in flat_world])
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES, ids=lambda c: c.name)
+def test_hybrid_strategies_train_like_the_reference(case: Case, hybrid_world: list[dict[str, Outcome]]) -> None:
+    _check(case, [per_rank[case.name] for per_rank in hybrid_world])
