@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._comm_hooks import default_hooks
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
@@ -55,7 +55,10 @@ class Net(nn.Module):
         self.register_buffer("scale", torch.tensor([1.5]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.inp(x))) * self.scale
+        scale = self.scale
+        assert isinstance(scale, torch.Tensor)
+        out: torch.Tensor = self.head(self.blocks(self.inp(x))) * scale
+        return out
 
 
 @dataclass(frozen=True)
@@ -105,13 +108,14 @@ def _mp(case: Case) -> tuple[MixedPrecision | None, TorchMixedPrecision | None]:
     return None, None
 
 
-def _groups(case: Case, world: int) -> dict[str, object]:
+def _groups(case: Case, world: int) -> tuple[tuple[dist.ProcessGroup, dist.ProcessGroup] | None, DeviceMesh | None]:
+    """(process_group, device_mesh) for the case: hybrid as a 2-D mesh or a (shard, replicate) pair."""
     if not case.strategy.is_hybrid:
-        return {}
-    if case.hybrid == "mesh":
-        return {"device_mesh": init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))}
+        return None, None
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    return {"process_group": (mesh.get_group(1), mesh.get_group(0))}
+    if case.hybrid == "mesh":
+        return None, mesh
+    return (mesh.get_group(1), mesh.get_group(0)), None
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -152,10 +156,10 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     ours_module = Net()
     ours_module.load_state_dict(init)
     mp, torch_mp = _mp(case)
-    kwargs = _groups(case, world)
-    model = FSDP(ours_module, sharding_strategy=case.strategy, auto_wrap_policy={Block},
-                 mixed_precision=mp, cpu_offload=CPUOffload(offload_params=case.offload),
-                 use_orig_params=case.use_orig_params, **kwargs)
+    pg, mesh = _groups(case, world)
+    model = FSDP(ours_module, process_group=pg, device_mesh=mesh, sharding_strategy=case.strategy,
+                 auto_wrap_policy={Block}, mixed_precision=mp, cpu_offload=CPUOffload(offload_params=case.offload),
+                 use_orig_params=case.use_orig_params)
     if case.hook is not None:
         calls = [0]
         hook, state = _hook(case, model)
@@ -176,7 +180,8 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
         torch_module.load_state_dict(init)
         theirs = TorchFSDP(torch_module, sharding_strategy=_torch_strategy(case.strategy),
                            auto_wrap_policy=functools.partial(_torch_policy), mixed_precision=torch_mp,
-                           use_orig_params=case.use_orig_params, device_id=torch.device("cpu"), **kwargs)
+                           use_orig_params=case.use_orig_params, device_id=torch.device("cpu"),
+                           process_group=pg, device_mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     topt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9) if theirs is not None else None
