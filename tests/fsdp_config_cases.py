@@ -1,0 +1,80 @@
+"""Construction-time checks of FullyShardedDataParallel, run inside a gloo world."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from fsdp_core import MixedPrecision, ShardingStrategy
+from fsdp_shell import FSDP, comm_hooks
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+
+def _mixed_dtypes() -> nn.Module:
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    m[1].double()
+    return m
+
+
+def _error(build: Callable[[], object]) -> str:
+    try:
+        build()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
+    """Each bad configuration's error, as 'Type: message'."""
+    lin = lambda: nn.Linear(4, 4)  # noqa: E731
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    pair = (mesh.get_group(1), mesh.get_group(0))
+
+    def hook_with_reduce_dtype() -> None:
+        model = FSDP(lin(), mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16))
+        model.register_comm_hook(comm_hooks.DefaultState(model.process_group), comm_hooks.fp16_compress_hook)
+
+    return {
+        "strategy": _error(lambda: FSDP(lin(), sharding_strategy="QUARTER_SHARD")),
+        "hybrid-without-groups": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
+        "pair-for-flat": _error(lambda: FSDP(lin(), process_group=pair)),
+        "pg-and-mesh": _error(lambda: FSDP(lin(), process_group=pair[0], device_mesh=mesh)),
+        "buffer-dtype": _error(lambda: FSDP(lin(), mixed_precision=TorchMixedPrecision(buffer_dtype=torch.bfloat16))),
+        "mp-string": _error(lambda: FSDP(lin(), mixed_precision="bf16")),
+        "wrap-policy": _error(lambda: FSDP(lin(), auto_wrap_policy=42)),
+        "device-id": _error(lambda: FSDP(lin(), device_id="gpu")),
+        "use-orig-params": _error(lambda: FSDP(lin(), use_orig_params="yes")),  # type: ignore[arg-type]  # bad input on purpose
+        "shared-params": _error(lambda: FSDP(Tied())),
+        "mixed-dtypes": _error(lambda: FSDP(_mixed_dtypes())),
+        "hook-with-reduce-dtype": _error(hook_with_reduce_dtype),
+        "not-a-module": _error(lambda: FSDP("model")),  # type: ignore[arg-type]  # bad input on purpose
+    }
+
+
+def torch_config_objects(rank: int, world: int, _: None) -> dict[str, str]:
+    """torch's own config objects are accepted and mapped by name."""
+    model = FSDP(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+        sharding_strategy=TorchStrategy.SHARD_GRAD_OP,
+        mixed_precision=TorchMixedPrecision(param_dtype=torch.bfloat16),
+        cpu_offload=TorchCPUOffload(offload_params=False),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    )
+    out = model(torch.randn(2, 4))
+    out.float().sum().backward()
+    wrapped = sum(isinstance(m, FSDP) for m in model.modules())
+    return {"strategy": model.sharding_strategy.name, "out_dtype": str(out.dtype), "units": str(wrapped)}

@@ -1,0 +1,46 @@
+"""Bad configuration fails at construction, naming the argument; torch's config objects work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_shell import FSDP
+from tests.dist_harness import run_world
+from tests.fsdp_config_cases import bad_configurations, torch_config_objects
+
+EXPECTED = {
+    "strategy": ("ValueError", "sharding_strategy"),
+    "hybrid-without-groups": ("ValueError", "process_group"),
+    "pair-for-flat": ("ValueError", "process_group"),
+    "pg-and-mesh": ("ValueError", "process_group, device_mesh"),
+    "buffer-dtype": ("ValueError", "buffer_dtype"),
+    "mp-string": ("TypeError", "mixed_precision"),
+    "wrap-policy": ("TypeError", "auto_wrap_policy"),
+    "device-id": ("TypeError", "device_id"),
+    "use-orig-params": ("TypeError", "use_orig_params"),
+    "shared-params": ("ValueError", "shared"),
+    "mixed-dtypes": ("ValueError", "dtype"),
+    "hook-with-reduce-dtype": ("ValueError", "comm_hook"),
+    "not-a-module": ("TypeError", "module"),
+}
+
+
+def test_bad_configurations_fail_at_construction() -> None:
+    (errors, _) = run_world(2, bad_configurations, None, timeout=300)
+    assert set(errors) == set(EXPECTED)
+    for name, (kind, fragment) in EXPECTED.items():
+        assert errors[name].startswith(kind + ":"), f"{name}: {errors[name]}"
+        assert fragment in errors[name], f"{name}: {errors[name]}"
+
+
+def test_torch_config_objects_are_accepted() -> None:
+    (out, _) = run_world(2, torch_config_objects, None, timeout=300)
+    assert out == {"strategy": "SHARD_GRAD_OP", "out_dtype": "torch.bfloat16", "units": "3"}
+
+
+def test_needs_an_initialised_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        FSDP(nn.Linear(2, 2))
+    assert not torch.distributed.is_initialized()
