@@ -13,6 +13,7 @@ lives in an ``ExecContext``. Streams are ``StreamRuntime`` objects:
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
@@ -79,6 +80,13 @@ class StreamRuntime:
         self.cuda_stream = cuda_stream
         self._queue: deque[Callable[[], object]] = deque()
         self._work: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+
+    def allocating(self) -> contextlib.AbstractContextManager[object]:
+        """Allocate device memory under this stream, so the caching allocator attributes the
+        block to it, as the plan's ``Free(buffer, stream)`` assumes."""
+        if self.cuda_stream is not None:
+            return torch.cuda.stream(self.cuda_stream)
+        return contextlib.nullcontext()
 
     @property
     def idle(self) -> bool:
@@ -212,12 +220,14 @@ def _step(op: Op, run: PlanRun) -> None:
             stream.submit(run.owner.free_unsharded)
         case Cast():
             src = run.tensor(op.src)
-            dst = torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
+            with stream.allocating():
+                dst = torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
             run.buffers[op.dst.name] = dst
             stream.submit(lambda: dst.copy_(src))
         case Pad():
             src = run.tensor(op.src)
-            dst = torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
+            with stream.allocating():
+                dst = torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
             run.buffers[op.dst.name] = dst
 
             def pad() -> None:
@@ -231,7 +241,8 @@ def _step(op: Op, run: PlanRun) -> None:
             stream.submit(lambda: t.div_(factor))
         case ReduceScatter():
             src = run.tensor(op.src)
-            dst = torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
+            with stream.allocating():
+                dst = torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
             run.buffers[op.dst.name] = dst
             group, reduce_op = ctx.groups[op.group], to_reduce_op(op.reduce_op)
             ctx.collectives.append(("reduce_scatter", op.group, src.dtype, src.numel()))
@@ -254,7 +265,8 @@ def _step(op: Op, run: PlanRun) -> None:
         case CommHookCall():
             src = run.tensor(op.src)
             in_place = op.src == op.dst
-            out = src if in_place else torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
+            with stream.allocating():
+                out = src if in_place else torch.empty(op.dst.numel, dtype=op.dst.dtype, device=src.device)
             run.buffers[op.dst.name] = out
             hook = run.comm_hook
             if hook is None:
