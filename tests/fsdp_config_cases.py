@@ -40,7 +40,9 @@ def _error(build: Callable[[], object]) -> str:
 
 def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
     """Each bad configuration's error, as 'Type: message'."""
-    lin = lambda: nn.Linear(4, 4)  # noqa: E731
+    def lin() -> nn.Module:
+        return nn.Linear(4, 4)
+
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     pair = (mesh.get_group(1), mesh.get_group(0))
 

@@ -1,0 +1,45 @@
+"""Drop-in use: the FSDP1 training loop, with one import changed. Spawns 2 gloo ranks on CPU.
+
+Run: python examples/drop_in.py
+"""
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+# FSDP1: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+from fsdp_shell import FSDP, MixedPrecision, ShardingStrategy
+
+
+def train(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy={nn.Linear},
+                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(20):
+        x = torch.randn(16, 32, generator=data)
+        loss = (model(x).float() - x.sum(dim=1, keepdim=True)).square().mean()
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        optim.step()
+        optim.zero_grad()
+        if rank == 0 and step % 5 == 4:
+            print(f"step {step + 1}: loss {loss.item():.3f}")
+    state = model.full_state_dict()  # full tensors under the original names, on every rank
+    if rank == 0:
+        print(f"trained {sum(v.numel() for v in state.values())} parameters: {', '.join(state)}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(train, args=(2, port), nprocs=2)
