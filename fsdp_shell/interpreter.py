@@ -143,6 +143,9 @@ class ExecContext:
     host_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     collectives: list[tuple[str, Group, torch.dtype, int]] = field(default_factory=list)
     """Every collective issued, as (op, group, dtype, numel): for tests and communication counts."""
+    overlapped_hooks: int = 0
+    """Post-backward hooks entered while an earlier plan's work was still queued or in flight on
+    a side stream (CPU): how often communication overlapped later backward work."""
 
 
 @dataclass
@@ -168,6 +171,10 @@ class PlanRun:
 
     def hook_phase(self) -> None:
         """Run the ops that belong in the post-backward hook."""
+        for runtime in self.ctx.streams.values():
+            runtime.progress()
+        if any(not self.ctx.streams[s].idle for s in (Stream.POST_BACKWARD, Stream.ALL_REDUCE)):
+            self.ctx.overlapped_hooks += 1
         for op in self.plan.hook_ops:
             _step(op, self)
 

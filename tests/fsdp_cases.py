@@ -92,6 +92,7 @@ class Outcome:
     spare_grads_none: bool = True
     norm_diff: float = 0.0
     state_dict_diff: float = 0.0
+    overlapped_hooks: int = 0
 
 
 def _data(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +111,8 @@ def _mp(case: Case) -> tuple[MixedPrecision | None, TorchMixedPrecision | None]:
 
 def _groups(case: Case, world: int) -> tuple[tuple[dist.ProcessGroup, dist.ProcessGroup] | None, DeviceMesh | None]:
     """(process_group, device_mesh) for the case: hybrid as a 2-D mesh or a (shard, replicate) pair."""
+    if case.hybrid == "mesh1d":
+        return None, init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     if not case.strategy.is_hybrid:
         return None, None
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
@@ -221,6 +224,7 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     if case.hook is not None:
         outcome.hook_calls = calls[0]
     outcome.state_dict_diff = _round_trip(model, rank)
+    outcome.overlapped_hooks = model._tree.ctx.overlapped_hooks
     return outcome
 
 

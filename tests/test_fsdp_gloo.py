@@ -32,6 +32,7 @@ FLAT_CASES: tuple[Case, ...] = (
     Case(name="FULL-accumulate", accumulate=2),
     Case(name="FULL-no_sync-then-accumulate", no_sync=1, accumulate=2),
     Case(name="FULL-clip", clip=0.05),
+    Case(name="FULL-mesh-1d", hybrid="mesh1d"),
     Case(name="NO_SHARD-clip-orig", strategy=NO_SHARD, clip=0.05, use_orig_params=True),
     Case(name="FULL-hook-torch-default", hook="torch-default"),
     Case(name="NO_SHARD-hook-torch-default", strategy=NO_SHARD, hook="torch-default"),
@@ -62,6 +63,11 @@ def flat_world() -> list[dict[str, Outcome]]:
 @pytest.fixture(scope="module")
 def hybrid_world() -> list[dict[str, Outcome]]:
     return run_world(4, run_cases, HYBRID_CASES, timeout=600)
+
+
+def test_hybrid_all_reduce_overlaps_later_backward_work_on_cpu(hybrid_world: list[dict[str, Outcome]]) -> None:
+    """Some post-backward hook starts while an earlier unit's reduction is still in flight."""
+    assert all(per_rank["HYBRID_SHARD-origFalse"].overlapped_hooks > 0 for per_rank in hybrid_world)
 
 
 def _check(case: Case, outcomes: list[Outcome]) -> None:
