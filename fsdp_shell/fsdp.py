@@ -260,6 +260,15 @@ class FullyShardedDataParallel(nn.Module):
     def sharding_strategy(self) -> ShardingStrategy:
         return self._tree.strategy
 
+    def flat_handles(self) -> list[FlatParamHandle]:
+        """The flat parameter of every unit of this tree, in construction order (children first)."""
+        self._require_root("flat_handles")
+        return [u._handle for u in self._tree.units if u._handle is not None]
+
+    def collective_log(self) -> list[tuple[str, Group, torch.dtype, int]]:
+        """Every collective the post-backward plans have issued so far: (op, group, dtype, numel)."""
+        return list(self._tree.ctx.collectives)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards inside accumulate the unsharded gradient locally; nothing is communicated."""

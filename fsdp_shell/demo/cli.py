@@ -1,0 +1,241 @@
+"""``fsdp-demo``: train a small byte-level transformer LM with fsdp_shell's FSDP.
+
+With no arguments: CPU, gloo, 2 local worker processes it spawns itself, about a minute of
+training on the standard library's Python sources. Under ``torchrun`` it takes ranks from the
+launcher (``env://``) and uses NCCL with one GPU per rank when CUDA is present. Bad arguments
+exit 2 with one line on stderr; ``--check`` exits 1 when the result drifts from the
+single-process reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import statistics
+import sys
+import warnings
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from fsdp_core import (  # noqa: E402
+    CommHook,
+    CPUOffload,
+    FlatParamLayout,
+    MixedPrecision,
+    PlanRequest,
+    ShardingSpec,
+    ShardingStrategy,
+)
+from fsdp_shell.demo.checkpoint import CheckpointMismatch, read_meta  # noqa: E402
+from fsdp_shell.demo.model import ModelConfig  # noqa: E402
+from fsdp_shell.demo.train import DemoConfig, RunResult, check_tolerance, run_rank  # noqa: E402
+from fsdp_shell.launch import run_world  # noqa: E402
+
+__all__ = ["main", "parse_config"]
+
+MAX_NPROC = 64
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class BadArgument(ValueError):
+    """An argument combination that cannot run; the message names the argument."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fsdp-demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--strategy", default="FULL_SHARD",
+                   help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    p.add_argument("--nproc", type=int, default=2, help="local worker processes to spawn (default 2; ignored under torchrun)")
+    p.add_argument("--shard-size", type=int, default=None, help="hybrid: ranks per shard group (default: all)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (default 300)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch (default 8)")
+    p.add_argument("--mixed-precision", default="none", choices=["none", "bf16", "fp16"])
+    p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
+    p.add_argument("--use-orig-params", action="store_true")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; all but the last in no_sync()")
+    p.add_argument("--comm-hook", default="none", help="none, allreduce, reduce_scatter, fp16_compress, bf16_compress")
+    p.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
+    p.add_argument("--width", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--eval-every", type=int, default=25, help="held-out evaluation interval in steps")
+    p.add_argument("--check", action="store_true", help="compare with a single-process reference at the end")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="loss curves and step times (needs matplotlib)")
+    p.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint at the end")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
+    p.add_argument("--profile", default=None, metavar="DIR", help="torch.profiler traces of steps 3-5 (Perfetto)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | None]:
+    """The run's configuration, its world size and the plot path; raises ``BadArgument``."""
+    a = _parser().parse_args(argv)
+    try:
+        strategy = ShardingStrategy.parse(a.strategy)
+        hook = CommHook.parse(a.comm_hook)
+    except ValueError as exc:
+        raise BadArgument(str(exc).replace("sharding_strategy", "--strategy").replace("comm_hook", "--comm-hook")) from None
+    if hook is CommHook.USER:
+        raise BadArgument("--comm-hook: user hooks need code; accepted: none, allreduce, reduce_scatter, fp16_compress, bf16_compress")
+    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else a.nproc
+    cpus = os.cpu_count() or 1
+    if not _under_torchrun() and not 1 <= a.nproc <= min(MAX_NPROC, 4 * cpus):
+        raise BadArgument(f"--nproc: expected 1..{min(MAX_NPROC, 4 * cpus)} local processes on this {cpus}-CPU machine, got {a.nproc}")
+    for name in ("steps", "batch_size", "grad_accum", "layers", "width", "eval_every"):
+        if getattr(a, name) < 1:
+            raise BadArgument(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(a, name)}")
+    if a.width % 4:
+        raise BadArgument(f"--width: must be a multiple of 4 (the number of heads), got {a.width}")
+    if a.clip is not None and not a.clip > 0:
+        raise BadArgument(f"--clip: expected a positive norm, got {a.clip}")
+    if a.shard_size is not None and not strategy.is_hybrid:
+        raise BadArgument(f"--shard-size: only hybrid strategies take a shard size, not {strategy.name}")
+    shard = a.shard_size or world
+    if strategy.is_hybrid and (shard < 1 or world % shard):
+        raise BadArgument(f"--shard-size: {shard} does not divide the {world} processes; accepted: a divisor of {world}")
+    if a.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise BadArgument("--plot: needs matplotlib; install it with pip install '.[plot]'")
+    if a.check and a.resume is not None:
+        raise BadArgument("--check: compares a whole run from step 0 with the reference; drop --resume")
+    cfg = DemoConfig(
+        strategy=strategy, shard_size=a.shard_size, steps=a.steps, batch_size=a.batch_size,
+        mixed_precision=a.mixed_precision, offload=a.offload, use_orig_params=a.use_orig_params,
+        grad_accum=a.grad_accum, comm_hook=hook, clip=a.clip, seed=a.seed, lr=a.lr, eval_every=a.eval_every,
+        check=a.check, save=a.save, resume=a.resume, profile=a.profile, quiet=a.quiet,
+        model=ModelConfig(layers=a.layers, width=a.width),
+    )
+    _validate_plan_options(cfg, world)
+    if cfg.resume is not None:
+        _validate_resume(cfg)
+    return cfg, world, a.plot
+
+
+def _validate_plan_options(cfg: DemoConfig, world: int) -> None:
+    """Let the core refuse impossible option combinations before any process starts."""
+    mp = cfg.mixed() or MixedPrecision()
+    layout = FlatParamLayout.of([("w", (1,))], torch.float32)
+    try:
+        PlanRequest(layout=layout, sharding=ShardingSpec.for_world(cfg.strategy, world, cfg.shard_size),
+                    mixed_precision=mp,
+                    offload=CPUOffload(offload_params=cfg.offload), comm_hook=cfg.comm_hook,
+                    use_orig_params=cfg.use_orig_params)
+    except (ValueError, TypeError) as exc:
+        message = str(exc).replace("comm_hook:", "--comm-hook:").replace("mixed_precision.reduce_dtype", "--mixed-precision")
+        raise BadArgument(message) from None
+
+
+def _validate_resume(cfg: DemoConfig) -> None:
+    assert cfg.resume is not None
+    try:
+        meta = read_meta(Path(cfg.resume))
+    except CheckpointMismatch as exc:
+        raise BadArgument(str(exc)) from None
+    if meta.get("model") != dataclasses.asdict(cfg.model):
+        raise BadArgument(f"--resume: {cfg.resume} holds a checkpoint of a different model ({meta.get('model')})")
+    if meta.get("use_orig_params") != cfg.use_orig_params or meta.get("mixed_precision") != cfg.mixed_precision:
+        raise BadArgument(f"--resume: {cfg.resume} was saved with another flat layout "
+                          "(--use-orig-params/--mixed-precision must match)")
+    step = meta.get("step")
+    if not isinstance(step, int) or step >= cfg.steps:
+        raise BadArgument(f"--steps: the checkpoint is at step {step}; ask for more steps than that")
+
+
+def _worker(rank: int, world: int, cfg: DemoConfig) -> RunResult:
+    return run_rank(rank, world, cfg)
+
+
+def _summary(cfg: DemoConfig, r: RunResult) -> str:
+    steps = len(r.losses)
+    times = r.step_seconds[1:] or r.step_seconds
+    median = statistics.median(times) if times else 0.0
+    first, last = (r.held_out[0][1], r.held_out[-1][1]) if r.held_out else (float("nan"), float("nan"))
+    rows = [
+        ("strategy", f"{cfg.strategy.name} on {r.world} rank(s)" + (f", shard groups of {cfg.shard_size}" if cfg.shard_size else "")),
+        ("model", f"{r.params:,} parameters in {r.units} FSDP units"),
+        ("steps", f"{r.start_step + 1}..{r.start_step + steps}" if steps else "none"),
+        ("train loss", f"{r.losses[0]:.3f} -> {r.losses[-1]:.3f}" if steps else "-"),
+        ("held-out loss", f"{first:.3f} -> {last:.3f}"),
+        ("step time", f"{median * 1e3:.1f} ms (median)"),
+        ("tokens/s", f"{r.tokens_per_step / median:,.0f}" if median else "-"),
+        ("grad comm / step", f"{statistics.mean(r.comm_bytes) / 2**20:.3f} MiB per rank (from the plans that ran)" if steps else "-"),
+    ]
+    if r.check_diff is not None:
+        tol = check_tolerance(cfg)
+        rows.append(("check", f"max |param - reference| = {r.check_diff:.3g} (tolerance {tol:.3g}): "
+                              f"{'OK' if r.check_diff <= tol else 'FAILED'}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _plot(path: str, r: RunResult) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = list(range(r.start_step + 1, r.start_step + len(r.losses) + 1))
+    ax1.plot(xs, r.losses, label="train")
+    ax1.plot([s for s, _ in r.held_out], [v for _, v in r.held_out], "o-", label="held-out")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss (nats/byte)")
+    ax1.legend()
+    ax2.plot(xs, [t * 1e3 for t in r.step_seconds])
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("step time (ms)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fsdp-demo``; returns the exit status."""
+    try:
+        cfg, world, plot = parse_config(argv)
+    except BadArgument as exc:
+        print(f"fsdp-demo: error: {exc}", file=sys.stderr)
+        return 2
+    if _under_torchrun():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, init_method="env://")
+        try:
+            result = run_rank(dist.get_rank(), dist.get_world_size(), cfg)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        if result.rank != 0:
+            return 0
+    else:
+        if not cfg.quiet:
+            print(f"fsdp-demo: {cfg.strategy.name} on {world} local gloo process(es), {cfg.steps} steps", flush=True)
+        result = run_world(world, _worker, cfg, timeout=3600)[0]
+    print(_summary(cfg, result), flush=True)
+    if plot is not None:
+        _plot(plot, result)
+        print(f"  plot              {plot}")
+    if result.check_diff is not None and result.check_diff > check_tolerance(cfg):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

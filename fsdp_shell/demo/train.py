@@ -1,0 +1,241 @@
+"""The demo's training worker: one rank of an FSDP run of ``TinyLM`` on standard-library bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from tqdm import tqdm
+
+from fsdp_core import CommHook, CPUOffload, Group, MixedPrecision, ShardingStrategy
+from fsdp_core.comm import ring_bytes
+from fsdp_shell import comm_hooks
+from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_shell.demo.data import Corpus, load_corpus
+from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
+from fsdp_shell.fsdp import FullyShardedDataParallel
+
+__all__ = ["DemoConfig", "RunResult", "reference_params", "run_rank"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything a run depends on (built and validated by the command line)."""
+
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    shard_size: int | None = None
+    steps: int = 300
+    batch_size: int = 8
+    mixed_precision: str = "none"
+    offload: bool = False
+    use_orig_params: bool = False
+    grad_accum: int = 1
+    comm_hook: CommHook = CommHook.NONE
+    clip: float | None = None
+    seed: int = 0
+    lr: float = 3e-3
+    eval_every: int = 25
+    check: bool = False
+    save: str | None = None
+    resume: str | None = None
+    profile: str | None = None
+    quiet: bool = False
+    model: ModelConfig = ModelConfig()
+
+    def mixed(self) -> MixedPrecision | None:
+        """The ``MixedPrecision`` for ``--mixed-precision``: compute in bf16/fp16, reduce in fp32."""
+        if self.mixed_precision == "bf16":
+            return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.mixed_precision == "fp16":
+            return MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        return None
+
+
+@dataclass
+class RunResult:
+    """What one rank reports back."""
+
+    rank: int
+    world: int
+    start_step: int = 0
+    losses: list[float] = field(default_factory=list)
+    held_out: list[tuple[int, float]] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    comm_bytes: list[int] = field(default_factory=list)
+    tokens_per_step: int = 0
+    params: int = 0
+    check_diff: float | None = None
+    units: int = 0
+
+
+def _mesh(cfg: DemoConfig, world: int, device_type: str) -> DeviceMesh:
+    if cfg.strategy.is_hybrid:
+        shard = cfg.shard_size or world
+        return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _hook(model: FullyShardedDataParallel, kind: CommHook) -> None:
+    if kind is CommHook.NONE:
+        return
+    fn = {
+        CommHook.ALLREDUCE: comm_hooks.allreduce_hook,
+        CommHook.REDUCE_SCATTER: comm_hooks.reduce_scatter_hook,
+        CommHook.FP16_COMPRESS: comm_hooks.fp16_compress_hook,
+        CommHook.BF16_COMPRESS: comm_hooks.bf16_compress_hook,
+    }[kind]
+    model.register_comm_hook(comm_hooks.DefaultState(model.process_group), fn)
+
+
+def _wire_bytes(entries: list[tuple[str, Group, torch.dtype, int]], sizes: dict[Group, int], sharded: bool) -> int:
+    total = 0
+    for op, group, dtype, numel in entries:
+        collective = op if op != "comm_hook" else ("reduce_scatter" if sharded else "all_reduce")
+        total += ring_bytes(collective, numel, sizes[group], dtype)
+    return total
+
+
+def build_model(cfg: DemoConfig, mesh: DeviceMesh, device: torch.device) -> tuple[FullyShardedDataParallel, TinyLM]:
+    """The FSDP-wrapped model (each ``Block`` a unit) and, for ``--check``, nothing else: the
+    same seed gives the same initial weights to the reference."""
+    torch.manual_seed(cfg.seed)
+    module = TinyLM(cfg.model)
+    model = FullyShardedDataParallel(
+        module, sharding_strategy=cfg.strategy, auto_wrap_policy={Block}, mixed_precision=cfg.mixed(),
+        cpu_offload=CPUOffload(offload_params=cfg.offload), use_orig_params=cfg.use_orig_params,
+        device_mesh=mesh, device_id=device,
+    )
+    _hook(model, cfg.comm_hook)
+    return model, module
+
+
+def _held_out_loss(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, rank: int, world: int,
+                   device: torch.device) -> float:
+    rows = cfg.batch_size
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for k in range(4):
+            x, y = corpus.batch(seed=cfg.seed, step=10_000 + k, micro=0, rows=rows * world, seq=cfg.model.seq,
+                                held_out=True)
+            x, y = x[rank * rows : (rank + 1) * rows].to(device), y[rank * rows : (rank + 1) * rows].to(device)
+            total += lm_loss(model(x), y)
+    dist.all_reduce(total)
+    return float(total) / (4 * world)
+
+
+def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
+    """Train on this rank (inside an initialised process group) and report."""
+    device = _device()
+    mesh = _mesh(cfg, world, device.type)
+    model, _ = build_model(cfg, mesh, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    corpus = load_corpus()
+    result = RunResult(rank=rank, world=world, units=len(model.flat_handles()),
+                       params=sum(h.layout.numel_without_padding for h in model.flat_handles()))
+    if cfg.resume is not None:
+        meta = load_checkpoint(Path(cfg.resume), model, opt, mesh)
+        result.start_step = int(str(meta["step"]))
+    rows, seq = cfg.batch_size, cfg.model.seq
+    result.tokens_per_step = rows * world * seq * cfg.grad_accum
+    sizes = {Group.SHARD: model.process_group.size(),
+             Group.REPLICATE: 1 if model.replicate_group is None else model.replicate_group.size()}
+    bar = tqdm(total=cfg.steps, initial=result.start_step, disable=rank != 0 or cfg.quiet, unit="step",
+               dynamic_ncols=True, leave=True, mininterval=0.5)
+    profiler = _profiler(cfg, rank)
+    with profiler if profiler is not None else contextlib.nullcontext():
+        for step in range(result.start_step, cfg.steps):
+            logged = len(model.collective_log())
+            start = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                x, y = corpus.batch(seed=cfg.seed, step=step, micro=micro, rows=rows * world, seq=seq)
+                x, y = x[rank * rows : (rank + 1) * rows].to(device), y[rank * rows : (rank + 1) * rows].to(device)
+                sync = micro == cfg.grad_accum - 1
+                with model.no_sync() if not sync else contextlib.nullcontext():
+                    loss = lm_loss(model(x), y) / cfg.grad_accum
+                    torch.autograd.backward(loss)
+                step_loss += loss.detach()
+            if cfg.clip is not None:
+                model.clip_grad_norm_(cfg.clip)
+            opt.step()
+            opt.zero_grad()
+            dist.all_reduce(step_loss)
+            elapsed = time.perf_counter() - start
+            result.losses.append(float(step_loss) / world)
+            result.step_seconds.append(elapsed)
+            result.comm_bytes.append(_wire_bytes(model.collective_log()[logged:], sizes, cfg.strategy.is_sharded))
+            if profiler is not None:
+                profiler.step()
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step == result.start_step:
+                result.held_out.append((step + 1, _held_out_loss(model, corpus, cfg, rank, world, device)))
+            bar.set_postfix(loss=f"{result.losses[-1]:.3f}", held_out=f"{result.held_out[-1][1]:.3f}",
+                            ms=f"{elapsed * 1e3:.0f}", tok_s=f"{result.tokens_per_step / elapsed:,.0f}",
+                            comm_MB=f"{result.comm_bytes[-1] / 2**20:.2f}")
+            bar.update(1)
+    bar.close()
+    if cfg.save is not None:
+        directory = Path(cfg.save)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(directory, model, opt, mesh, {
+            "step": cfg.steps, "model": vars(cfg.model), "seed": cfg.seed,
+            "strategy": cfg.strategy.name, "world": world, "mixed_precision": cfg.mixed_precision,
+            "use_orig_params": cfg.use_orig_params,
+        })
+    if cfg.check:
+        full = model.full_state_dict()
+        if rank == 0:
+            ref = reference_params(cfg, corpus, world)
+            result.check_diff = max(float((full[k].float() - v.float()).abs().max()) for k, v in ref.items())
+    return result
+
+
+def _profiler(cfg: DemoConfig, rank: int) -> torch.profiler.profile | None:
+    if cfg.profile is None:
+        return None
+    directory = Path(cfg.profile)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def export(prof: torch.profiler.profile) -> None:
+        prof.export_chrome_trace(str(directory / f"trace_rank{rank}.json"))
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, on_trace_ready=export,
+                                  schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+
+
+def reference_params(cfg: DemoConfig, corpus: Corpus, world: int) -> dict[str, torch.Tensor]:
+    """A plain single-process ``TinyLM`` trained in fp32 on the same global batches."""
+    torch.manual_seed(cfg.seed)
+    model = TinyLM(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    rows, seq = cfg.batch_size * world, cfg.model.seq
+    for step in range(cfg.steps):
+        for micro in range(cfg.grad_accum):
+            x, y = corpus.batch(seed=cfg.seed, step=step, micro=micro, rows=rows, seq=seq)
+            torch.autograd.backward(lm_loss(model(x), y) / cfg.grad_accum)
+        if cfg.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def check_tolerance(cfg: DemoConfig) -> float:
+    """How far ``--check`` lets parameters drift from the fp32 reference."""
+    low = cfg.mixed_precision != "none" or cfg.comm_hook in (CommHook.FP16_COMPRESS, CommHook.BF16_COMPRESS)
+    return 5e-2 if low else 1e-4 * max(1.0, math.sqrt(cfg.steps / 10))

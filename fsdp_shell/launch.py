@@ -1,0 +1,76 @@
+"""Run a function on every rank of a local world of processes, with a hard timeout.
+
+``run_world(n, fn, arg)`` spawns ``n`` processes, initialises a gloo process group on
+127.0.0.1 in each, calls ``fn(rank, n, arg)`` and returns the results in rank order. A rank
+that raises makes the whole call raise with its traceback; a world that has not finished
+within ``timeout`` seconds is killed and the call raises ``TimeoutError``, so a hang fails a
+test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[[int, int, A], R], arg: A, out: "mp.Queue[object]",
+           backend: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        result = fn(rank, world, arg)
+        dist.barrier()
+        out.put((rank, True, result))
+    except BaseException:  # noqa: BLE001  (every failure must reach the parent)
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(
+    world: int, fn: Callable[[int, int, A], R], arg: A, timeout: float = 300.0, backend: str = "gloo"
+) -> list[R]:
+    """``fn(rank, world, arg)`` on each rank of a fresh world (gloo on loopback by default);
+    results in rank order. ``fn``, ``arg`` and the results must pickle."""
+    ctx = mp.get_context("spawn")
+    out: mp.Queue[object] = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, arg, out, backend), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, R] = {}
+    try:
+        while len(results) < world:
+            try:
+                item = out.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"gloo world of {world} did not finish within {timeout:.0f} s") from None
+            assert isinstance(item, tuple) and len(item) == 3
+            rank, ok, payload = item
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

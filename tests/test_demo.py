@@ -1,0 +1,142 @@
+"""fsdp-demo: the default run (short), --check, exact --save/--resume, other world sizes, bad arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_core import ShardingStrategy
+from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
+from fsdp_shell.launch import run_world
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4"]
+
+
+def demo(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsdp_shell.demo.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, check=False, cwd=ROOT)
+
+
+def summary_value(out: str, key: str) -> str:
+    match = re.search(rf"^\s+{re.escape(key)}\s+(.*)$", out, re.MULTILINE)
+    assert match is not None, out
+    return match.group(1)
+
+
+def test_default_run_trains_and_held_out_loss_falls() -> None:
+    done = demo("--steps", "30", "--eval-every", "10", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, last = (float(x) for x in summary_value(done.stdout, "held-out loss").split(" -> "))
+    assert last < first - 0.5, done.stdout
+    assert "FULL_SHARD on 2 rank(s)" in done.stdout
+    assert float(summary_value(done.stdout, "grad comm / step").split()[0]) > 0
+
+
+def test_progress_bar_shows_loss_time_tokens_and_communication() -> None:
+    done = demo("--steps", "3", *QUICK[1:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for field in ("loss=", "ms=", "tok_s=", "comm_MB="):
+        assert field in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        [],
+        ["--strategy", "SHARD_GRAD_OP", "--use-orig-params", "--grad-accum", "2", "--clip", "0.5"],
+        ["--strategy", "NO_SHARD", "--comm-hook", "allreduce"],
+        ["--strategy", "HYBRID_SHARD", "--nproc", "4", "--shard-size", "2", "--offload"],
+        ["--mixed-precision", "bf16", "--comm-hook", "reduce_scatter"],
+    ],
+    ids=["full-shard", "grad-op-orig-accum-clip", "no-shard-hook", "hybrid-offload", "bf16-hook"],
+)
+def test_check_against_the_single_process_reference(options: list[str]) -> None:
+    done = demo("--steps", "4", "--check", *QUICK, *options)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "OK" in summary_value(done.stdout, "check")
+
+
+def _run(cfg: DemoConfig, world: int) -> RunResult:
+    return run_world(world, run_rank, cfg, timeout=600)[0]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
+def test_save_and_resume_continue_exactly(tmp_path: Path, use_orig_params: bool) -> None:
+    base = DemoConfig(steps=6, batch_size=4, quiet=True, use_orig_params=use_orig_params, eval_every=100,
+                      strategy=ShardingStrategy.FULL_SHARD)
+    whole = _run(base, 2)
+    _run(dataclasses.replace(base, steps=3, save=str(tmp_path)), 2)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["step"] == 3
+    resumed = _run(dataclasses.replace(base, resume=str(tmp_path)), 2)
+    assert resumed.start_step == 3
+    assert resumed.losses == pytest.approx(whole.losses[3:], abs=1e-6)
+
+
+def test_resume_on_a_different_number_of_ranks(tmp_path: Path) -> None:
+    base = DemoConfig(steps=8, batch_size=4, quiet=True, eval_every=100)
+    first = _run(dataclasses.replace(base, steps=5, save=str(tmp_path)), 2)
+    for world in (1, 3):
+        resumed = _run(dataclasses.replace(base, resume=str(tmp_path)), world)
+        assert resumed.world == world and resumed.start_step == 5
+        assert resumed.losses[0] < first.losses[0] - 0.3, (first.losses, resumed.losses)
+
+
+def test_profile_writes_a_trace_per_rank(tmp_path: Path) -> None:
+    done = demo("--steps", "6", "--profile", str(tmp_path), *QUICK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    traces = sorted(p.name for p in tmp_path.glob("trace_rank*.json"))
+    assert traces == ["trace_rank0.json", "trace_rank1.json"]
+    assert "traceEvents" in (tmp_path / "trace_rank0.json").read_text()[:2000]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the plot extra is not installed")
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    out = tmp_path / "curves.png"
+    done = demo("--steps", "4", "--plot", str(out), *QUICK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--strategy", "QUARTER_SHARD"], "--strategy"),
+        (["--strategy", "HYBRID_SHARD", "--nproc", "6", "--shard-size", "4"], "--shard-size"),
+        (["--strategy", "FULL_SHARD", "--shard-size", "2"], "--shard-size"),
+        (["--nproc", "999"], "--nproc"),
+        (["--nproc", "0"], "--nproc"),
+        (["--steps", "0"], "--steps"),
+        (["--comm-hook", "fp8"], "--comm-hook"),
+        (["--strategy", "NO_SHARD", "--comm-hook", "reduce_scatter"], "--comm-hook"),
+        (["--mixed-precision", "bf16", "--comm-hook", "fp16_compress"], "--comm-hook"),
+        (["--mixed-precision", "int8"], "--mixed-precision"),
+        (["--clip", "-1"], "--clip"),
+        (["--width", "30"], "--width"),
+        (["--resume", "/nonexistent/dir"], "--resume"),
+        (["--check", "--resume", "/tmp"], "--check"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> None:
+    done = demo(*argv, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("fsdp-demo: error:"), done.stderr
+    assert fragment in done.stderr
+
+
+def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:
+    saved = demo("--steps", "2", "--save", str(tmp_path), *QUICK)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    other = [*QUICK]
+    other[other.index("--layers") + 1] = "3"
+    done = demo("--steps", "4", "--resume", str(tmp_path), *other, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "different model" in done.stderr
