@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --disable-pip-version-check -q torch==2.13.0
-python -m pip install --disable-pip-version-check -q -e ".[dev]"
+python -m pip install --disable-pip-version-check -q -e ".[dev,plot]"
 python -m mypy
 python -m pytest -q "$@"
