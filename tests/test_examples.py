@@ -19,8 +19,5 @@ def test_drop_in_example_trains() -> None:
     assert "trained 6337 parameters" in done.stdout
 
 
-def test_readme_shows_the_example_verbatim() -> None:
-    readme = (ROOT / "README.md").read_text()
-    example = (ROOT / "examples" / "drop_in.py").read_text()
-    body = example[example.index("def train"):example.index("if __name__")].strip()
-    assert body in readme
+def test_readme_links_the_example() -> None:
+    assert "(examples/drop_in.py)" in (ROOT / "README.md").read_text()
