@@ -1,21 +1,20 @@
 """Drop-in use: the FSDP1 training loop, with one import changed. Spawns 2 gloo ranks on CPU.
 
-Run: python examples/drop_in.py
+Run: python examples/drop_in.py  (or put ``train``'s body under torchrun)
 """
-
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 # FSDP1: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, MixedPrecision, ShardingStrategy
+from fsdp_shell.launch import run_world
 
 
-def train(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def train(rank: int, world: int, _: None) -> None:
+    """One rank; ``run_world`` has initialised a gloo process group on loopback."""
+    assert dist.is_initialized()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy={nn.Linear},
@@ -33,13 +32,8 @@ def train(rank: int, world: int, port: int) -> None:
             print(f"step {step + 1}: loss {loss.item():.3f}")
     state = model.full_state_dict()  # full tensors under the original names, on every rank
     if rank == 0:
-        print(f"trained {sum(v.numel() for v in state.values())} parameters: {', '.join(state)}")
-    dist.barrier()
-    dist.destroy_process_group()
+        print(f"trained {sum(v.numel() for v in state.values())} parameters: {', '.join(state)}", flush=True)
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(train, args=(2, port), nprocs=2)
+    run_world(2, train, None)

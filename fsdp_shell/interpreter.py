@@ -118,7 +118,13 @@ class StreamRuntime:
     def progress(self) -> None:
         """Run queued ops whose predecessors have completed, without blocking."""
         while True:
-            self._work = [(w, t) for w, t in self._work if not w.is_completed()]
+            pending = []
+            for w, t in self._work:
+                if w.is_completed():
+                    w.wait()
+                else:
+                    pending.append((w, t))
+            self._work = pending
             if self._work or not self._queue:
                 return
             self._queue.popleft()()
