@@ -14,7 +14,7 @@ import pytest
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
-from fsdp_shell.launch import run_world
+from fsdp_shell.launch import free_port, run_world
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4"]
@@ -130,6 +130,17 @@ def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> N
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("fsdp-demo: error:"), done.stderr
     assert fragment in done.stderr
+
+
+def test_runs_under_torchrun_with_the_launchers_ranks() -> None:
+    port = str(free_port())
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", port, "-m", "fsdp_shell.demo.cli", "--steps", "3", *QUICK],
+        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("FULL_SHARD on 2 rank(s)") == 1, done.stdout
 
 
 def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:

@@ -55,8 +55,11 @@ FENCE = re.compile(r"^(?P<indent> *)```python\s*$")
 DIRECTIVE = re.compile(r"^<!--\s*(?P<kind>not-run|run):\s*(?P<arg>.*?)\s*-->$")
 
 # Runs one block file as __main__, inside a world of one gloo rank when asked.
+# Port 0: the store binds a free loopback port itself. ``gc.collect()`` frees what the block left
+# in reference cycles (FSDP modules hold the group), so the group and its gloo threads are gone
+# before the interpreter shuts down; see "The drop-in" in docs/user-guide.md.
 RUNNER = """\
-import runpy, sys
+import gc, runpy, sys
 path, world1 = sys.argv[1], sys.argv[2] == "world1"
 if world1:
     import torch.distributed as dist
@@ -64,6 +67,7 @@ if world1:
 try:
     runpy.run_path(path, run_name="__main__")
 finally:
+    gc.collect()
     if world1 and dist.is_initialized():
         dist.destroy_process_group()
 """

@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
         if result.rank != 0:
-            return 0
+            _exit_after_shutdown(0)
     else:
         if not cfg.quiet:
             print(f"fsdp-demo: {cfg.strategy.name} on {world} local gloo process(es), {cfg.steps} steps", flush=True)
@@ -232,9 +232,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plot is not None:
         _plot(plot, result)
         print(f"  plot              {plot}")
-    if result.check_diff is not None and result.check_diff > check_tolerance(cfg):
-        return 1
-    return 0
+    status = 1 if result.check_diff is not None and result.check_diff > check_tolerance(cfg) else 0
+    if _under_torchrun():
+        _exit_after_shutdown(status)
+    return status
+
+
+def _exit_after_shutdown(status: int) -> NoReturn:
+    """End a torchrun worker once its output is flushed and its process group destroyed,
+    skipping interpreter teardown, where sharded gloo runs occasionally abort (see
+    ``fsdp_shell.launch``) although all their work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
