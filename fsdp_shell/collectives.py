@@ -1,11 +1,9 @@
 """The two flat-tensor collectives, through the long-standing entry points.
 
 torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in favour of
-``all_gather_single``/``reduce_scatter_single``, but processes that used the new ones with
-gloo aborted at exit ("terminate called without an active exception") in about one run in
-eight here, and the old ones never did. So we call the old ones and silence only their
-deprecation warning, locally. (With either, about one 2-rank gloo run in twelve still
-aborts at process exit after all its work has completed; see ``fsdp_shell.launch``.)
+``all_gather_single``/``reduce_scatter_single``; torch 2.4 has only the old names, which every
+release since accepts. We call the old ones and silence only their deprecation warning,
+locally.
 """
 
 from __future__ import annotations

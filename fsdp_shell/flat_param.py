@@ -107,7 +107,8 @@ class FlatParamHandle:
         self.flat_grad: torch.Tensor | None = None
         """The sharded gradient the optimizer sees (through views with ``use_orig_params``)."""
 
-        self._shard_views = {v.param_index: v for v in self.sharding.shard_views(self.layout)}
+        self._shard_view_list = self.sharding.shard_views(self.layout)
+        self._shard_views = {v.param_index: v for v in self._shard_view_list}
         for index, p in enumerate(params):
             del p.module._parameters[p.attr]
             if self.use_orig_params:
@@ -124,10 +125,13 @@ class FlatParamHandle:
         return full
 
     def _sharded_view(self, index: int) -> torch.Tensor:
+        """FSDP1's ``_use_sharded_views``: a 1-D slice of the local shard for sharded strategies
+        (empty where this rank holds none of the parameter); the original shape for NO_SHARD."""
         view = self._shard_views.get(index)
         if view is None:
             return self.local.new_empty(0)
-        return self.local[view.offset_in_buffer : view.offset_in_buffer + view.numel]
+        piece = self.local[view.offset_in_buffer : view.offset_in_buffer + view.numel]
+        return piece if self.is_sharded else piece.view(self.layout.params[index].shape)
 
     # -- unshard / reshard -------------------------------------------------------------------
 
@@ -220,14 +224,15 @@ class FlatParamHandle:
         """Point the original parameters' ``.grad`` at their slices of ``grad`` (None where this
         rank holds none of a parameter); unsharded views take the parameter's shape."""
         by_index = {v.param_index: v for v in views}
-        unsharded = grad.numel() == self.layout.total_numel and self.is_sharded
+        unsharded = self.is_sharded and views != self._shard_view_list
         for index, p in enumerate(self.params):
             v = by_index.get(index)
             if v is None:
                 p.param.grad = None
                 continue
             piece = grad[v.offset_in_buffer : v.offset_in_buffer + v.numel]
-            set_grad(p.param, piece.view(self.layout.params[index].shape) if unsharded else piece)
+            shaped = unsharded or not self.is_sharded
+            set_grad(p.param, piece.view(self.layout.params[index].shape) if shaped else piece)
 
     def restore_saved_grad(self) -> None:
         """A backward in which this unit's post-backward never ran leaves its gradient as it was."""

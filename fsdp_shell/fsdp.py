@@ -123,7 +123,31 @@ def _cast_floating(x: object, dtype: torch.dtype) -> object:
 
 
 class FullyShardedDataParallel(nn.Module):
-    """A drop-in for FSDP1's wrapper on the subset of its arguments in ``shared/API.md``."""
+    """A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
+
+    Arguments, with FSDP1's meaning:
+
+    - ``module``: the model (or submodule) to shard.
+    - ``process_group``: FSDP's group (default: the world), or ``(shard_group, replicate_group)``
+      for hybrid strategies.
+    - ``sharding_strategy``: a ``ShardingStrategy`` (ours or torch's, mapped by name).
+    - ``cpu_offload``: ``CPUOffload(offload_params=True)`` keeps the sharded parameter and its
+      gradient on the CPU, where the optimizer steps; works with gloo on CPU too.
+    - ``auto_wrap_policy``: a set of ``nn.Module`` classes, a ``callable(module) -> bool``, or
+      torch's ``ModuleWrapPolicy``; each matching submodule becomes a unit of its own.
+    - ``mixed_precision``: compute in ``param_dtype``; reduce in ``reduce_dtype`` (or
+      ``param_dtype``); the optimizer gets gradients in the original dtype unless
+      ``keep_low_precision_grads``. Floating-point inputs of the root are cast to ``param_dtype``.
+    - ``device_id``: ``torch.device`` or CUDA index; default: the current CUDA device with NCCL,
+      else the CPU.
+    - ``use_orig_params``: ``parameters()`` yields the original parameters, as sharded 1-D views
+      (original shapes for ``NO_SHARD``; empty where this rank holds none), with sharded
+      ``.grad`` views.
+    - ``device_mesh``: a 1-D (shard) or 2-D (replicate, shard) ``DeviceMesh`` instead of
+      ``process_group``.
+
+    Bad configuration raises ``ValueError``/``TypeError`` here, naming the argument.
+    """
 
     def __init__(
         self,
@@ -258,6 +282,7 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
+        """The strategy every unit of this tree uses."""
         return self._tree.strategy
 
     def flat_handles(self) -> list[FlatParamHandle]:
@@ -389,6 +414,9 @@ class FullyShardedDataParallel(nn.Module):
             raise RuntimeError(f"{what}: call it on the root FullyShardedDataParallel module")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """All-gather this unit's parameters, run the wrapped module on autograd views of them,
+        reshard (``FULL_SHARD``/``HYBRID_SHARD``, non-root) and hook the outputs so backward
+        re-gathers first."""
         tree, h = self._tree, self._handle
         if self._is_root:
             for s in tree.ctx.streams.values():

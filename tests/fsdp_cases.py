@@ -93,6 +93,8 @@ class Outcome:
     norm_diff: float = 0.0
     state_dict_diff: float = 0.0
     overlapped_hooks: int = 0
+    param_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    ref_shapes: list[tuple[int, ...]] = field(default_factory=list)
 
 
 def _data(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +187,8 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
                            auto_wrap_policy=functools.partial(_torch_policy), mixed_precision=torch_mp,
                            use_orig_params=case.use_orig_params, device_id=torch.device("cpu"),
                            process_group=pg, device_mesh=mesh)
+    outcome.param_shapes = sorted(tuple(p.shape) for p in model.parameters())
+    outcome.ref_shapes = sorted(tuple(p.shape) for p in ref.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     topt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9) if theirs is not None else None

@@ -54,10 +54,10 @@ PACKAGES = ("fsdp_core", "fsdp_shell")
 FENCE = re.compile(r"^(?P<indent> *)```python\s*$")
 DIRECTIVE = re.compile(r"^<!--\s*(?P<kind>not-run|run):\s*(?P<arg>.*?)\s*-->$")
 
-# Runs one block file as __main__, inside a world of one gloo rank when asked.
-# Port 0: the store binds a free loopback port itself. ``gc.collect()`` frees what the block left
-# in reference cycles (FSDP modules hold the group), so the group and its gloo threads are gone
-# before the interpreter shuts down; see "The drop-in" in docs/user-guide.md.
+# Runs one block file as __main__, inside a world of one gloo rank when asked (port 0: the store
+# binds a free loopback port itself). ``gc.collect()`` frees what the block left in reference
+# cycles (FSDP modules hold the group), so that the group and its gloo threads are gone before
+# the interpreter shuts down; see "The drop-in" in docs/user-guide.md.
 RUNNER = """\
 import gc, runpy, sys
 path, world1 = sys.argv[1], sys.argv[2] == "world1"

@@ -55,6 +55,16 @@ HYBRID_CASES: tuple[Case, ...] = (
 )
 
 
+WORLD1_CASES: tuple[Case, ...] = tuple(
+    Case(name=f"{s.name}-orig-world1", strategy=s, use_orig_params=True, no_sync=1) for s in (FULL, GRAD_OP, NO_SHARD)
+)
+
+
+@pytest.fixture(scope="module")
+def world1() -> list[dict[str, Outcome]]:
+    return run_world(1, run_cases, WORLD1_CASES, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def flat_world() -> list[dict[str, Outcome]]:
     return run_world(2, run_cases, FLAT_CASES, timeout=600)
@@ -68,6 +78,19 @@ def hybrid_world() -> list[dict[str, Outcome]]:
 def test_hybrid_all_reduce_overlaps_later_backward_work_on_cpu(hybrid_world: list[dict[str, Outcome]]) -> None:
     """Some post-backward hook starts while an earlier unit's reduction is still in flight."""
     assert all(per_rank["HYBRID_SHARD-origFalse"].overlapped_hooks > 0 for per_rank in hybrid_world)
+
+
+@pytest.mark.parametrize("case", WORLD1_CASES, ids=lambda c: c.name)
+def test_world_of_one_with_orig_params(case: Case, world1: list[dict[str, Outcome]]) -> None:
+    """One rank holds every parameter whole: gradients must still match the parameters' shapes."""
+    _check(case, [per_rank[case.name] for per_rank in world1])
+
+
+def test_no_shard_orig_params_keep_their_shapes(flat_world: list[dict[str, Outcome]]) -> None:
+    """FSDP1's NO_SHARD exposes the original parameters unflattened; sharded strategies 1-D."""
+    o = flat_world[0]["NO_SHARD-origTrue"]
+    assert o.param_shapes == o.ref_shapes
+    assert all(len(s) == 1 for s in flat_world[0]["FULL_SHARD-origTrue"].param_shapes)
 
 
 def _check(case: Case, outcomes: list[Outcome]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib.util
 import os
 import statistics
@@ -219,11 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.init_process_group(backend, init_method="env://")
         try:
             result = run_rank(dist.get_rank(), dist.get_world_size(), cfg)
+            gc.collect()
             dist.barrier()
         finally:
             dist.destroy_process_group()
         if result.rank != 0:
-            _exit_after_shutdown(0)
+            return 0
     else:
         if not cfg.quiet:
             print(f"fsdp-demo: {cfg.strategy.name} on {world} local gloo process(es), {cfg.steps} steps", flush=True)
@@ -232,19 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plot is not None:
         _plot(plot, result)
         print(f"  plot              {plot}")
-    status = 1 if result.check_diff is not None and result.check_diff > check_tolerance(cfg) else 0
-    if _under_torchrun():
-        _exit_after_shutdown(status)
-    return status
-
-
-def _exit_after_shutdown(status: int) -> NoReturn:
-    """End a torchrun worker once its output is flushed and its process group destroyed,
-    skipping interpreter teardown, where sharded gloo runs occasionally abort (see
-    ``fsdp_shell.launch``) although all their work is done."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    return 1 if result.check_diff is not None and result.check_diff > check_tolerance(cfg) else 0
 
 
 if __name__ == "__main__":
