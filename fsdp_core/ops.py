@@ -41,7 +41,6 @@ __all__ = [
     "ReduceScatter",
     "Stream",
     "WaitStream",
-    "COLLECTIVE_OPS",
 ]
 
 
@@ -302,8 +301,6 @@ Op = Union[
 ]
 """The closed union of plan ops; interpreters ``match`` on it and end with ``assert_never``."""
 
-COLLECTIVE_OPS = (ReduceScatter, AllReduce, CommHookCall)
-"""The op types that communicate."""
 
 
 def op_name(op: Op) -> str:
@@ -330,7 +327,3 @@ _OP_NAMES: dict[type, str] = {
     HandOff: "hand_off",
 }
 
-
-def op_stream(op: Op) -> Stream:
-    """The stream an op is enqueued on."""
-    return op.stream

@@ -172,15 +172,6 @@ class Plan:
                 return i
         return len(self.ops)
 
-    @property
-    def buffers(self) -> tuple[Buffer, ...]:
-        """Every buffer the plan names, in order of first mention."""
-        seen: dict[str, Buffer] = {}
-        for op in self.ops:
-            for b in buffers_of(op):
-                seen.setdefault(b.name, b)
-        return tuple(seen.values())
-
 
 def buffers_of(op: Op) -> tuple[Buffer, ...]:
     """The buffers an op reads or writes."""

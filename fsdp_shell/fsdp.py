@@ -229,13 +229,15 @@ class FullyShardedDataParallel(nn.Module):
             if policy(child) and any(True for _ in child.parameters()):
                 setattr(module, name, FullyShardedDataParallel(child, _tree=tree))
 
-    def _owned_params(self, module: nn.Module) -> list[OrigParam]:
+    @staticmethod
+    def _owned_params(module: nn.Module, names: dict[int, str]) -> list[OrigParam]:
+        """The parameters ``module`` owns outside nested units, with their unwrapped names."""
         out: list[OrigParam] = []
 
         def visit(m: nn.Module) -> None:
             for attr, p in m._parameters.items():
                 if p is not None:
-                    out.append(OrigParam(module=m, attr=attr, fqn=self._tree_names[id(p)], param=p))
+                    out.append(OrigParam(module=m, attr=attr, fqn=names[id(p)], param=p))
             for child in m.children():
                 if not isinstance(child, FullyShardedDataParallel):
                     visit(child)
@@ -244,8 +246,7 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def _make_handle(self, module: nn.Module, tree: _Tree) -> FlatParamHandle | None:
-        self._tree_names = tree.param_names
-        params = self._owned_params(module)
+        params = self._owned_params(module, tree.param_names)
         if not params:
             return None
         dtypes = {p.param.dtype for p in params}

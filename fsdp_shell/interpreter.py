@@ -189,11 +189,6 @@ class PlanRun:
         for op in self.plan.callback_ops:
             _step(op, self)
 
-    def run_all(self) -> None:
-        """Run the whole plan and wait for it."""
-        self.hook_phase()
-        self.callback_phase()
-
 
 def to_reduce_op(spec: ReduceOpSpec) -> dist.ReduceOp:
     """The ``torch.distributed`` reduce op for ``spec``."""

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import warnings
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 # torch warns at import when NumPy is missing; fsdp-plan never touches NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
@@ -38,6 +38,7 @@ from fsdp_core import (  # noqa: E402
     plan_to_json,
     simulate_timeline,
 )
+from fsdp_shell.cli_parser import OneLineErrorParser
 
 __all__ = ["main", "parse_dtype", "plan_from_args"]
 
@@ -51,13 +52,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "fp64": torch.float64,
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_dtype(text: str) -> torch.dtype:
@@ -92,7 +86,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``fsdp-plan``."""
-    p = _Parser(prog="fsdp-plan", description="Print FSDP's post-backward plan for one flat parameter.")
+    p = OneLineErrorParser(prog="fsdp-plan", description="Print FSDP's post-backward plan for one flat parameter.")
     p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
     p.add_argument("--world-size", type=_positive, default=8, help="data-parallel ranks (default 8)")
     p.add_argument("--shard-size", type=_positive, default=None, help="hybrid: ranks per shard group (default: the world size)")

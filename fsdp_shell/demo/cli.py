@@ -18,7 +18,7 @@ import statistics
 import sys
 import warnings
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
@@ -34,6 +34,7 @@ from fsdp_core import (  # noqa: E402
     ShardingSpec,
     ShardingStrategy,
 )
+from fsdp_shell.cli_parser import OneLineErrorParser  # noqa: E402
 from fsdp_shell.demo.checkpoint import CheckpointMismatch, read_meta  # noqa: E402
 from fsdp_shell.demo.model import ModelConfig  # noqa: E402
 from fsdp_shell.demo.train import DemoConfig, RunResult, check_tolerance, run_rank  # noqa: E402
@@ -44,17 +45,12 @@ __all__ = ["main", "parse_config"]
 MAX_NPROC = 64
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 class BadArgument(ValueError):
     """An argument combination that cannot run; the message names the argument."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fsdp-demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineErrorParser(prog="fsdp-demo", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--strategy", default="FULL_SHARD",
                    help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
     p.add_argument("--nproc", type=int, default=2, help="local worker processes to spawn (default 2; ignored under torchrun)")
