@@ -202,8 +202,6 @@ class StepFlags:
     is added before the next all-reduce (or into, when the all-reduce is deferred again)."""
     force_full_precision: bool = False
     """Compute and reduce in the parameter's original dtype this step (FSDP1's full precision in eval)."""
-    optimizer_in_backward: bool = False
-    """The optimizer steps inside the post-backward, and the gradient is then freed."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -213,18 +211,7 @@ class StepFlags:
             "requires_all_reduce",
             "pending_partial",
             "force_full_precision",
-            "optimizer_in_backward",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"flags.{name}: expected a bool, got {value!r}")
-        if self.optimizer_in_backward and self.accumulate:
-            raise ValueError(
-                "flags: accumulate=True cannot be combined with optimizer_in_backward=True; "
-                "the optimizer consumes and frees the gradient in every backward"
-            )
-        if self.optimizer_in_backward and not self.requires_all_reduce and self.sync_gradients:
-            raise ValueError(
-                "flags: requires_all_reduce=False cannot be combined with optimizer_in_backward=True; "
-                "the optimizer would step on a partially reduced gradient"
-            )

@@ -123,8 +123,6 @@ class Destination(enum.Enum):
     """Inside ``no_sync``: the unsharded gradient stays on the flat parameter, unreduced."""
     PARTIAL = "partial"
     """Hybrid with the all-reduce deferred: the partial reduction is kept for a later backward."""
-    OPTIMIZER_STEP = "optimizer_step"
-    """The optimizer steps on the gradient inside the backward, then the gradient is freed."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -67,11 +67,6 @@ class PlanRequest:
                 "division.factor: a communication hook divides as its state says; a custom divide "
                 "factor needs comm_hook=none"
             )
-        if flags.optimizer_in_backward and not self.use_orig_params:
-            raise ValueError(
-                "flags.optimizer_in_backward: the optimizer in backward steps the original parameters "
-                "and needs use_orig_params=True"
-            )
 
     @property
     def compute_dtype(self) -> torch.dtype:

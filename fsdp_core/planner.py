@@ -291,10 +291,8 @@ def _grad_views(d: Draft) -> Draft:
 
 
 def _hand_off(d: Draft) -> Draft:
-    """Hand the gradient over. The optimizer-in-backward steps right here on the current stream
-    and frees it; every other destination is handed over at the end of backward, after the
-    compute stream has waited for the side streams."""
-    r = d.request
+    """Hand the gradient over at the end of backward, after the compute stream has waited for
+    the side streams."""
     used = {op.stream for op in d.ops} - {Stream.COMPUTE}
     waits = tuple(
         EndOfBackwardWait(stream=Stream.COMPUTE, waits_for=s)
@@ -302,10 +300,6 @@ def _hand_off(d: Draft) -> Draft:
         if s in used
     )
     destination = d.destination or Destination.UNSHARDED_GRAD
-    if r.flags.optimizer_in_backward and r.flags.sync_gradients:
-        step = HandOff(buffer=d.grad, destination=Destination.OPTIMIZER_STEP, stream=d.stream)
-        d2 = _emit(d, step)
-        return _emit(d2, *_release(d2, d.grad), *waits)
     return _emit(d, *waits, HandOff(buffer=d.grad, destination=destination, stream=Stream.COMPUTE))
 
 

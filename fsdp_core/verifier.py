@@ -139,8 +139,6 @@ def expected_destination(r: PlanRequest) -> Destination:
         return Destination.UNSHARDED_GRAD
     if r.sharding.strategy.is_hybrid and not f.requires_all_reduce:
         return Destination.PARTIAL
-    if f.optimizer_in_backward:
-        return Destination.OPTIMIZER_STEP
     if r.offload.offload_params:
         return Destination.CPU_GRAD
     if f.accumulate:
@@ -295,7 +293,7 @@ class _Checker:
         return self.problems
 
     def step(self, op: Op) -> None:
-        if self.hand_offs and self.hand_offs[-1][1].destination is not Destination.OPTIMIZER_STEP:
+        if self.hand_offs:
             self.report(Rule.HAND_OFF, f"{op_name(op)} comes after the hand-off; the hand-off must be last")
         match op:
             case Input():
@@ -540,12 +538,8 @@ class _Checker:
             self.report(Rule.NUMEL_MISMATCH, f"hands off {b} with {b.numel} elements, expected {exp.numel}", index)
         if b.device is not exp.device:
             self.report(Rule.DEVICE_MISMATCH, f"hands off {b} on {b.device.value}, expected {exp.device.value}", index)
-        if h.destination is not Destination.OPTIMIZER_STEP and h.stream is not Stream.COMPUTE:
+        if h.stream is not Stream.COMPUTE:
             self.report(Rule.HAND_OFF, f"hands off on {h.stream.value}; the optimizer runs on compute", index)
-        if h.destination is Destination.OPTIMIZER_STEP:
-            st = self.bufs.get(b.name)
-            if st is not None and st.freed_at is None:
-                self.report(Rule.LEAK, f"the optimizer stepped in backward but {b.name} is not freed", index)
         st = self.bufs.get(b.name)
         if st is None:
             return

@@ -217,8 +217,6 @@ class FlatParamHandle:
                 self.partial = None
                 if not self.use_orig_params:
                     set_grad(self.flat_param, grad)
-            case Destination.OPTIMIZER_STEP:
-                raise RuntimeError("optimizer in backward is not supported by this shell")
 
     def set_grad_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at their slices of ``grad`` (None where this

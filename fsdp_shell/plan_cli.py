@@ -107,7 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-all-reduce", action="store_true", help="hybrid: defer the replicate all-reduce (keep a partial)")
     p.add_argument("--pending-partial", action="store_true", help="hybrid: a partial reduction from earlier backwards exists")
     p.add_argument("--force-full-precision", action="store_true")
-    p.add_argument("--optimizer-in-backward", action="store_true")
     p.add_argument("--division", default="pre_post", choices=[d.value for d in DivisionPolicy])
     p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="backend capabilities for --division in_collective")
     p.add_argument("--divide-factor", type=float, default=None, help="divide the gradient sum by this instead of the world size")
@@ -138,7 +137,6 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         requires_all_reduce=not args.no_all_reduce,
         pending_partial=args.pending_partial,
         force_full_precision=args.force_full_precision,
-        optimizer_in_backward=args.optimizer_in_backward,
     )
     division = Division(policy=DivisionPolicy(args.division), backend=BackendCaps.for_backend(args.backend),
                         factor=args.divide_factor)

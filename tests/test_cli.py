@@ -57,7 +57,7 @@ def test_issue_example_hybrid_32_by_8(capsys: pytest.CaptureFixture[str]) -> Non
         ["--division", "in_collective", "--backend", "gloo", "--param-dtype", "float16"],
         ["--divide-factor", "3"],
         ["--force-full-precision", "--param-dtype", "bfloat16"],
-        ["--optimizer-in-backward", "--use-orig-params", "--offload"],
+        ["--use-orig-params", "--offload", "--numel", "100,7,33"],
     ],
 )
 def test_every_strategy_and_option_gives_a_sound_plan(
@@ -104,8 +104,6 @@ def test_text_output_shows_plan_volume_verdict_and_timeline(capsys: pytest.Captu
         (["--comm-hook", "fp8_compress"], "comm_hook"),
         (["--comm-hook", "fp16_compress", "--reduce-dtype", "bfloat16"], "comm_hook"),
         (["--comm-hook", "allreduce", "--divide-factor", "2"], "division.factor"),
-        (["--optimizer-in-backward"], "use_orig_params"),
-        (["--optimizer-in-backward", "--use-orig-params", "--accumulate"], "accumulate"),
         (["--rank", "9", "--world-size", "8"], "rank"),
         (["--divide-factor", "0"], "divide_factor"),
         (["--param-dtype", "int8"], "dtype"),

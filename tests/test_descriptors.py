@@ -93,7 +93,6 @@ def test_mixed_precision_dtype_rules() -> None:
         (lambda: ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 6, 4), ValueError, "does not divide"),
         (lambda: ShardingStrategy.parse("ZERO3"), ValueError, "accepted"),
         (lambda: CommHook.parse("int8"), ValueError, "accepted"),
-        (lambda: StepFlags(accumulate=True, optimizer_in_backward=True), ValueError, "accumulate"),
         (lambda: StepFlags(sync_gradients=0), TypeError, "flags.sync_gradients"),  # type: ignore[arg-type]  # bad input on purpose
     ],
 )
@@ -110,8 +109,6 @@ def test_request_rejects_impossible_combinations() -> None:
     full = ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2)
     with pytest.raises(ValueError, match="pending_partial"):
         PlanRequest(layout=layout, sharding=full, flags=StepFlags(pending_partial=True))
-    with pytest.raises(ValueError, match="use_orig_params"):
-        PlanRequest(layout=layout, sharding=full, flags=StepFlags(optimizer_in_backward=True))
     with pytest.raises(TypeError, match="mixed_precision"):
         PlanRequest(layout=layout, sharding=full, mixed_precision=None)  # type: ignore[arg-type]  # bad input on purpose
 

@@ -73,7 +73,6 @@ FLAG_NAMES = (
     "requires_all_reduce",
     "pending_partial",
     "force_full_precision",
-    "optimizer_in_backward",
 )
 
 dtypes = st.sampled_from(DTYPES)
@@ -145,7 +144,6 @@ FLAG_WEIGHTS = {
     "requires_all_reduce": 13,
     "pending_partial": 5,
     "force_full_precision": 3,
-    "optimizer_in_backward": 3,
 }
 flag_values = st.tuples(*(weighted(FLAG_WEIGHTS[name]) for name in FLAG_NAMES))
 
@@ -171,11 +169,7 @@ def requests(draw: st.DrawFn) -> PlanRequest:
     if not strategy.is_hybrid:
         f["requires_all_reduce"] = True
         f["pending_partial"] = False
-    if f["optimizer_in_backward"]:
-        f["accumulate"] = False
-        if f["sync_gradients"]:
-            f["requires_all_reduce"] = True
-    use_orig_params = draw(st.booleans()) or f["optimizer_in_backward"]
+    use_orig_params = draw(st.booleans())
     request = PlanRequest(
         layout=layout,
         sharding=sharding,

@@ -244,7 +244,7 @@ def assert_averaged(
         if existing is not None:
             want = want + existing[g].double()
         assert_values(r.grad, want, precision)
-        assert r.live_buffers == (() if destination is Destination.OPTIMIZER_STEP else (r.buffer.name,))
+        assert r.live_buffers == (r.buffer.name,)
 
 
 # -- the hand-written facts the tests rely on ------------------------------------------------
@@ -400,19 +400,6 @@ def test_use_orig_params_views_rebuild_each_parameter(mesh: Mesh, case: LayoutCa
     assert_averaged(result, mesh, full, destination=Destination.CPU_GRAD if offload else Destination.SHARDED_GRAD,
                     device=Device.HOST if offload else Device.DEVICE)
     assert_views_rebuild_the_params(result, mesh, case, full, F32)
-
-
-@pytest.mark.parametrize("mesh", ONE_OF_EACH, ids=str)
-def test_optimizer_in_backward_steps_on_the_average_then_frees_it(mesh: Mesh) -> None:
-    grads = make_grads(mesh.world, ALIGNED.total, F32, seed=10)
-    request = request_for(mesh, ALIGNED, use_orig_params=True, flags=StepFlags(optimizer_in_backward=True))
-    result = run(request, grads)
-    full = mean_over_world(grads)
-    for g, r in enumerate(result.ranks):
-        assert r.destination is Destination.OPTIMIZER_STEP and r.grad is not None
-        assert_values(r.grad, shard_of(full, mesh, g), F32)
-        assert r.live_buffers == ()
-    assert_views_rebuild_the_params(result, mesh, ALIGNED, full, F32)
 
 
 # -- no_sync -----------------------------------------------------------------------------------
@@ -674,13 +661,12 @@ def lowest_precision(dtypes: set[torch.dtype]) -> torch.dtype:
     accumulate=st.booleans(),
     pending=st.booleans(),
     force_full_precision=st.booleans(),
-    optimizer_in_backward=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_any_configuration_averages(
     strategy: ShardingStrategy, shard: int, replicate: int, sizes: list[int], orig: torch.dtype,
     mp: MixedPrecision, hook: CommHook, division: Division, offload: bool, use_orig_params: bool, accumulate: bool,
-    pending: bool, force_full_precision: bool, optimizer_in_backward: bool, seed: int,
+    pending: bool, force_full_precision: bool, seed: int,
 ) -> None:
     mesh = Mesh(strategy, shard, replicate if strategy in HYBRID else 1)
     compute = orig if force_full_precision or mp.param_dtype is None else mp.param_dtype
@@ -706,7 +692,7 @@ def test_any_configuration_averages(
             layout=layout, sharding=mesh.spec(), mixed_precision=mp, offload=CPUOffload(offload_params=offload),
             comm_hook=hook, division=division, use_orig_params=use_orig_params,
             flags=StepFlags(accumulate=accumulate, pending_unsharded=pending,
-                            force_full_precision=force_full_precision, optimizer_in_backward=optimizer_in_backward),
+                            force_full_precision=force_full_precision),
         )
     except ValueError:
         assume(False)
@@ -716,7 +702,7 @@ def test_any_configuration_averages(
     result = run(request, grads, pending_unsharded=pending_grads, sharded_grads=existing)
 
     precision = lowest_precision({compute, reduce, wire, handed})
-    destination = (Destination.OPTIMIZER_STEP if optimizer_in_backward else Destination.CPU_GRAD if offload else
+    destination = (Destination.CPU_GRAD if offload else
                    Destination.ACCUMULATED_GRAD if accumulate else Destination.SHARDED_GRAD)
     summed_grads = summed(grads, pending_grads) if pending_grads is not None else grads
     full = mean_over_world(summed_grads, division.factor)
