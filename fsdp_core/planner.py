@@ -279,7 +279,22 @@ def _accumulate_or_offload(d: Draft) -> Draft:
     return replace(d, destination=Destination.SHARDED_GRAD)
 
 
+def _end_of_backward(d: Draft) -> Draft:
+    """Defer the rest to the end-of-backward callback: the compute stream waits for every side
+    stream the plan used, and the remaining stages run on compute with the gradient final.
+    Inside ``no_sync`` nothing left compute, so there is nothing to wait for."""
+    used = {op.stream for op in d.ops} - {Stream.COMPUTE}
+    waits = tuple(
+        EndOfBackwardWait(stream=Stream.COMPUTE, waits_for=s)
+        for s in (Stream.POST_BACKWARD, Stream.ALL_REDUCE)
+        if s in used
+    )
+    return _emit(d, *waits, stream=Stream.COMPUTE)
+
+
 def _grad_views(d: Draft) -> Draft:
+    """Expose the final gradient as the original parameters' ``.grad`` (``use_orig_params``);
+    nothing for a kept partial reduction, which is no gradient yet."""
     r = d.request
     if not r.use_orig_params or d.destination is Destination.PARTIAL:
         return d
@@ -291,16 +306,9 @@ def _grad_views(d: Draft) -> Draft:
 
 
 def _hand_off(d: Draft) -> Draft:
-    """Hand the gradient over at the end of backward, after the compute stream has waited for
-    the side streams."""
-    used = {op.stream for op in d.ops} - {Stream.COMPUTE}
-    waits = tuple(
-        EndOfBackwardWait(stream=Stream.COMPUTE, waits_for=s)
-        for s in (Stream.POST_BACKWARD, Stream.ALL_REDUCE)
-        if s in used
-    )
+    """Hand the gradient over at its destination (inside ``no_sync``: the unsharded gradient)."""
     destination = d.destination or Destination.UNSHARDED_GRAD
-    return _emit(d, *waits, HandOff(buffer=d.grad, destination=destination, stream=Stream.COMPUTE))
+    return _emit(d, HandOff(buffer=d.grad, destination=destination, stream=d.stream))
 
 
 # -- named buffers for state carried between backwards --------------------------------------
@@ -331,8 +339,11 @@ def _defers_all_reduce(r: PlanRequest) -> bool:
 
 # -- the dispatch table ----------------------------------------------------------------------
 
+_END_OF_BACKWARD: tuple[Stage, ...] = (_end_of_backward, _grad_views, _hand_off)
+"""How every plan ends: compute waits for the side streams (the end-of-backward callback starts at
+the first wait), then the final gradient is exposed and handed over on compute."""
 _SYNC_PROLOGUE: tuple[Stage, ...] = (_inputs, _to_post_backward_stream, _merge_pending_unsharded, _cast_to_reduce_dtype)
-_FINALIZE: tuple[Stage, ...] = (_cast_to_grad_dtype, _accumulate_or_offload, _grad_views, _hand_off)
+_FINALIZE: tuple[Stage, ...] = (_cast_to_grad_dtype, _accumulate_or_offload, *_END_OF_BACKWARD)
 
 PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = {
     ShardingStrategy.NO_SHARD: (*_SYNC_PROLOGUE, _all_reduce_no_shard, *_FINALIZE),
@@ -345,7 +356,7 @@ PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = {
 }
 """Strategy -> the stages of its plan when gradients are synchronised."""
 
-NO_SYNC_STAGES: tuple[Stage, ...] = (_inputs, _merge_pending_unsharded, _grad_views, _hand_off)
+NO_SYNC_STAGES: tuple[Stage, ...] = (_inputs, _merge_pending_unsharded, *_END_OF_BACKWARD)
 """The stages inside ``no_sync()``: accumulate locally, communicate nothing."""
 
 

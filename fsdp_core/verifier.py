@@ -570,6 +570,7 @@ class _Checker:
             self.report(Rule.VIEWS, f"use_orig_params needs exactly one grad_views op, found {len(self.views)}")
             return
         index, v = self.views[0]
+        self.check_views_placement(index, v)
         if self.hand_offs and v.buffer.name != self.hand_offs[0][1].buffer.name:
             self.report(Rule.VIEWS, f"views are of {v.buffer.name} but {self.hand_offs[0][1].buffer.name} is handed off", index)
         for view in v.views:
@@ -578,6 +579,16 @@ class _Checker:
         if v.views != exp.views:
             self.report(Rule.VIEWS, "the views do not match this rank's slices of the original parameters", index)
 
+
+    def check_views_placement(self, index: int, v: GradViews) -> None:
+        """The original parameters' ``.grad`` is exposed on compute, once the gradient is final:
+        after the end-of-backward waits when the plan has them."""
+        if v.stream is not Stream.COMPUTE:
+            self.report(Rule.VIEWS, f"grad views are exposed on {v.stream.value}; the original parameters' "
+                                    ".grad is read on compute", index)
+        if self.plan.callback_ops and index < len(self.plan.hook_ops):
+            self.report(Rule.VIEWS, "grad views are exposed inside the post-backward hook, before the "
+                                    "end-of-backward waits; the gradient is final only after them", index)
 
 def _groups(v: _Value) -> str:
     parts = [f"{g.value}x{n}" for g, n in sorted(v.reductions.items(), key=lambda kv: kv[0].value) if n]
@@ -593,7 +604,8 @@ def check_plan(plan: Plan) -> list[Problem]:
     numels and devices consistent across every op; every gradient element reduced exactly once
     over each group the strategy requires and divided by exactly the data-parallel size (or the
     user's factor); every input consumed, every buffer freed or handed off; exactly one
-    hand-off, last, in the destination, dtype, numel and device the optimizer expects, with the
-    original parameters' views where ``use_orig_params`` asks for them.
+    hand-off, last, on compute, in the destination, dtype, numel and device the optimizer
+    expects, with the original parameters' views of the handed-off buffer where
+    ``use_orig_params`` asks for them, exposed on compute after the end-of-backward waits.
     """
     return _Checker(plan).run()

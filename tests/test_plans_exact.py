@@ -175,13 +175,66 @@ def test_mixed_precision_offload_accumulate_use_orig_params() -> None:
         Free(buffer=shard, stream=PB),
         Offload(src=shard32, dst=cpu, accumulate=True, stream=PB),
         Free(buffer=shard32, stream=PB),
-        GradViews(buffer=cpu, views=(), stream=PB),
         EndOfBackwardWait(stream=C, waits_for=PB),
+        GradViews(buffer=cpu, views=(), stream=C),
         HandOff(buffer=cpu, destination=Destination.CPU_GRAD, stream=C),
     )
     assert check_plan(plan) == []
     rank2 = sharding.shard_views(layout, 2)
     assert rank2 == (ShardView(param_index=1, param_name="b", offset_in_buffer=0, offset_in_param=0, numel=4),)
+
+
+def test_grad_views_are_exposed_at_the_end_of_backward_on_compute() -> None:
+    layout = FlatParamLayout.of([("a", (2,)), ("b", (5,))], F32, align=True)
+    sharding = ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 4, 2, rank=1)
+    plan = plan_post_backward(layout, sharding, use_orig_params=True)
+    # a at 0, two fp32 elements of alignment padding (16 bytes), b at 4: 9 elements, padded to 10.
+    # Rank 1's shard is flat 5..9: b[1:5] and one zero of padding. dp = 4: divide by 2 and 2.
+    grad, padded, shard = buf("grad", 9), buf("grad.padded", 10), buf("shard", 5)
+    b_slice = ShardView(param_index=1, param_name="b", offset_in_buffer=0, offset_in_param=1, numel=4)
+    end_of_backward = (
+        EndOfBackwardWait(stream=C, waits_for=PB),
+        EndOfBackwardWait(stream=C, waits_for=AR),
+        GradViews(buffer=shard, views=(b_slice,), stream=C),
+        HandOff(buffer=shard, destination=Destination.SHARDED_GRAD, stream=C),
+    )
+    assert plan.ops == (
+        FreeUnshardedParam(stream=C),
+        Input(buffer=grad, role=InputRole.GRAD, stream=C),
+        WaitStream(stream=PB, waits_for=C),
+        Pad(src=grad, dst=padded, stream=PB),
+        RecordStream(buffer=grad, stream=PB),
+        Free(buffer=grad, stream=C),
+        Divide(buffer=padded, factor=2.0, stream=PB),
+        ReduceScatter(src=padded, dst=shard, group=Group.SHARD, reduce_op=SUM, stream=PB),
+        Free(buffer=padded, stream=PB),
+        WaitStream(stream=AR, waits_for=PB),
+        RecordStream(buffer=shard, stream=AR),
+        AllReduce(buffer=shard, group=Group.REPLICATE, reduce_op=SUM, stream=AR),
+        Divide(buffer=shard, factor=2.0, stream=AR),
+        *end_of_backward,
+    )
+    assert plan.callback_ops == end_of_backward
+    assert check_plan(plan) == []
+
+
+def test_no_sync_grad_views_come_right_before_the_hand_off() -> None:
+    layout = FlatParamLayout.of([("a", (2,)), ("b", (5,))], F32, align=True)
+    sharding = ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2)
+    plan = plan_post_backward(layout, sharding, use_orig_params=True, flags=StepFlags(sync_gradients=False))
+    grad = buf("grad", 9)
+    whole = (
+        ShardView(param_index=0, param_name="a", offset_in_buffer=0, offset_in_param=0, numel=2),
+        ShardView(param_index=1, param_name="b", offset_in_buffer=4, offset_in_param=0, numel=5),
+    )
+    assert plan.ops == (
+        FreeUnshardedParam(stream=C),
+        Input(buffer=grad, role=InputRole.GRAD, stream=C),
+        GradViews(buffer=grad, views=whole, stream=C),
+        HandOff(buffer=grad, destination=Destination.UNSHARDED_GRAD, stream=C),
+    )
+    assert plan.callback_ops == ()
+    assert check_plan(plan) == []
 
 
 def test_hybrid_with_a_comm_hook_then_replicate_all_reduce() -> None:

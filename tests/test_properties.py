@@ -30,7 +30,9 @@ from fsdp_core import (
     Division,
     DivisionPolicy,
     FlatParamLayout,
+    GradViews,
     Group,
+    HandOff,
     MixedPrecision,
     Pad,
     ParamSpec,
@@ -43,6 +45,7 @@ from fsdp_core import (
     ShardingSpec,
     ShardingStrategy,
     StepFlags,
+    Stream,
     build_plan,
     check_plan,
     comm_volume,
@@ -267,6 +270,21 @@ def test_any_combination_either_plans_soundly_or_is_refused_naming_the_argument(
     assume(not hits_hybrid_hook_premul_bug(plan.request))
     event("planned")
     assert check_plan(plan) == []
+
+
+@LIGHT
+@given(requests())
+def test_grad_views_are_exposed_on_compute_right_before_the_hand_off(request: PlanRequest) -> None:
+    plan = build_plan(request)
+    views = [i for i, op in enumerate(plan.ops) if isinstance(op, GradViews)]
+    if not request.use_orig_params or expected_destination(request) is Destination.PARTIAL:
+        assert views == []
+        return
+    *_, v, h = plan.ops
+    assert views == [len(plan.ops) - 2]
+    assert isinstance(v, GradViews) and isinstance(h, HandOff)
+    assert v.stream is Stream.COMPUTE and v.buffer == h.buffer
+    assert (v in plan.callback_ops) is request.flags.sync_gradients
 
 
 # -- (b) padding, (c) shard views ----------------------------------------------------------

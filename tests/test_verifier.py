@@ -746,6 +746,27 @@ def test_views_of_wrong_buffer() -> None:
     found(broken, Rule.VIEWS, says=f"views are of {low.name} but {handed.name} is handed off")
 
 
+def test_views_on_a_side_stream() -> None:
+    """Rule VIEWS: the views are exposed on the post-backward stream."""
+    plan = orig_plan()
+    g = find(plan, GradViews)
+    broken = replace_at(plan, g, dataclasses.replace(op_at(plan, g, GradViews), stream=Stream.POST_BACKWARD))
+    found(broken, Rule.VIEWS, at=g, says="exposed on post_backward")
+
+
+def test_views_inside_the_hook() -> None:
+    """Rule VIEWS: the views are exposed before the end-of-backward waits (where the planner
+    once put them, on the post-backward stream)."""
+    plan = orig_plan()
+    g = find(plan, GradViews)
+    wait = find(plan, EndOfBackwardWait)
+    assert wait == g - 1
+    early = dataclasses.replace(op_at(plan, g, GradViews), stream=Stream.POST_BACKWARD)
+    broken = insert(drop(plan, g), wait, early)
+    found(broken, Rule.VIEWS, at=wait, says="inside the post-backward hook")
+    found(broken, Rule.VIEWS, at=wait, says="exposed on post_backward")
+
+
 def test_views_without_use_orig_params() -> None:
     """Rule VIEWS: grad views in a plan that did not ask for them."""
     with_views = orig_plan()
