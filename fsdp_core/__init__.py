@@ -5,6 +5,7 @@ streams) comes out; ``check_plan`` proves it sound; ``format_plan`` shows it. No
 imports ``torch.distributed``, touches a tensor, keeps global state or does I/O.
 """
 
+from fsdp_core.carry import CARRIED_ROLES, carried_role, step_flags
 from fsdp_core.comm import CommVolume, comm_volume
 from fsdp_core.config import (
     HYBRID_STRATEGIES,
@@ -70,6 +71,7 @@ __all__ = [
     "Accumulate",
     "AllReduce",
     "BackendCaps",
+    "CARRIED_ROLES",
     "Buffer",
     "CPUOffload",
     "Cast",
@@ -119,6 +121,7 @@ __all__ = [
     "WaitStream",
     "aligned_numel_for",
     "build_plan",
+    "carried_role",
     "check_plan",
     "comm_volume",
     "divide_factors",
@@ -129,5 +132,6 @@ __all__ = [
     "plan_post_backward",
     "plan_to_json",
     "simulate_timeline",
+    "step_flags",
     "unsharded_views",
 ]

@@ -20,7 +20,8 @@ from fsdp_core.config import (
 )
 from fsdp_core.division import DivideFactors, Division
 from fsdp_core.layout import FlatParamLayout, ShardingSpec
-from fsdp_core.ops import Buffer, Destination, EndOfBackwardWait, HandOff, Op
+from fsdp_core.carry import carried_role
+from fsdp_core.ops import Buffer, Destination, EndOfBackwardWait, HandOff, Input, InputRole, Op
 
 __all__ = ["Plan", "PlanRequest"]
 
@@ -145,6 +146,19 @@ class Plan:
         """Where the gradient ends up."""
         h = self.hand_off
         return None if h is None else h.destination
+
+    @property
+    def consumed(self) -> frozenset[InputRole]:
+        """The carried roles this plan takes as inputs (every ``Input`` role but ``GRAD``): the
+        buffers carried from earlier backwards that it uses up."""
+        return frozenset(op.role for op in self.ops if isinstance(op, Input) and op.role is not InputRole.GRAD)
+
+    @property
+    def carried_out(self) -> InputRole | None:
+        """The role under which the handed-off gradient enters the next backward
+        (``carried_role(destination)``); None when the plan hands nothing off."""
+        d = self.destination
+        return None if d is None else carried_role(d)
 
     @property
     def should_free_in_backward(self) -> bool:

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from fsdp_core import (
+    CARRIED_ROLES,
     CommHook,
     CPUOffload,
+    Destination,
     FlatParamLayout,
+    InputRole,
     MixedPrecision,
     ParamSpec,
     PlanRequest,
@@ -16,6 +19,8 @@ from fsdp_core import (
     ShardingStrategy,
     ShardView,
     StepFlags,
+    carried_role,
+    step_flags,
 )
 from fsdp_core.layout import ShardBounds
 
@@ -117,3 +122,45 @@ def test_strategy_parse_accepts_fsdp1_spellings() -> None:
     assert ShardingStrategy.parse("hybrid_shard") is ShardingStrategy.HYBRID_SHARD
     assert ShardingStrategy.parse("_HYBRID_SHARD_ZERO2") is ShardingStrategy.HYBRID_SHARD_ZERO2
     assert ShardingStrategy.parse("shard-grad-op") is ShardingStrategy.SHARD_GRAD_OP
+
+
+# -- carried gradient state ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("destination", "role"),
+    [
+        (Destination.SHARDED_GRAD, InputRole.SHARDED_GRAD),
+        (Destination.ACCUMULATED_GRAD, InputRole.SHARDED_GRAD),
+        (Destination.CPU_GRAD, InputRole.SHARDED_GRAD),
+        (Destination.UNSHARDED_GRAD, InputRole.PENDING_UNSHARDED),
+        (Destination.PARTIAL, InputRole.PENDING_PARTIAL),
+    ],
+)
+def test_carried_role_of_every_destination(destination: Destination, role: InputRole) -> None:
+    assert carried_role(destination) is role
+
+
+def test_carried_roles_are_every_role_but_the_new_gradient() -> None:
+    assert CARRIED_ROLES == {InputRole.SHARDED_GRAD, InputRole.PENDING_UNSHARDED, InputRole.PENDING_PARTIAL}
+    assert {carried_role(d) for d in Destination} == CARRIED_ROLES
+
+
+def test_step_flags_say_which_carried_buffers_exist() -> None:
+    assert step_flags(frozenset(), sync_gradients=True, requires_all_reduce=True) == StepFlags()
+    every = frozenset({InputRole.SHARDED_GRAD, InputRole.PENDING_UNSHARDED, InputRole.PENDING_PARTIAL})
+    assert step_flags(every, sync_gradients=False, requires_all_reduce=False, force_full_precision=True) == StepFlags(
+        sync_gradients=False, accumulate=True, pending_unsharded=True, requires_all_reduce=False,
+        pending_partial=True, force_full_precision=True,
+    )
+    only_partial = step_flags(frozenset({InputRole.PENDING_PARTIAL}), sync_gradients=True, requires_all_reduce=True)
+    assert only_partial == StepFlags(pending_partial=True)
+
+
+def test_step_flags_refuse_a_carried_grad_naming_carried() -> None:
+    with pytest.raises(ValueError, match="^carried: InputRole.GRAD"):
+        step_flags(frozenset({InputRole.GRAD}), sync_gradients=True, requires_all_reduce=True)
+    with pytest.raises(TypeError, match="^carried: expected a frozenset of InputRole"):
+        step_flags({InputRole.SHARDED_GRAD}, sync_gradients=True, requires_all_reduce=True)  # type: ignore[arg-type]  # bad input on purpose
+    with pytest.raises(TypeError, match="^carried"):
+        step_flags(frozenset({"sharded_grad"}), sync_gradients=True, requires_all_reduce=True)  # type: ignore[arg-type]  # bad input on purpose

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fsdp_core import (
@@ -77,6 +79,8 @@ def test_full_shard_world_8_1001_elements() -> None:
     assert check_plan(plan) == []
     (rs,) = comm_volume(plan)
     assert (rs.input_numel, rs.output_numel, rs.bytes) == (1008, 126, 7 * 126 * 4)
+    assert (plan.consumed, plan.carried_out) == (frozenset(), InputRole.SHARDED_GRAD)
+    assert dataclasses.replace(plan, ops=plan.ops[:-1]).carried_out is None
 
 
 def test_hybrid_shard_32_as_4_by_8_all_reduces_126_on_the_all_reduce_stream() -> None:
@@ -137,6 +141,7 @@ def test_shard_grad_op_no_sync_keeps_the_unsharded_parameter_and_accumulates_loc
     )
     assert comm_volume(plan) == ()
     assert check_plan(plan) == []
+    assert (plan.consumed, plan.carried_out) == (frozenset({InputRole.PENDING_UNSHARDED}), InputRole.PENDING_UNSHARDED)
     full = plan_post_backward(one_param(7), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2),
                               flags=StepFlags(sync_gradients=False))
     assert full.ops[0] == FreeUnshardedParam(stream=C)
@@ -180,6 +185,7 @@ def test_mixed_precision_offload_accumulate_use_orig_params() -> None:
         HandOff(buffer=cpu, destination=Destination.CPU_GRAD, stream=C),
     )
     assert check_plan(plan) == []
+    assert (plan.consumed, plan.carried_out) == (frozenset({InputRole.SHARDED_GRAD}), InputRole.SHARDED_GRAD)
     rank2 = sharding.shard_views(layout, 2)
     assert rank2 == (ShardView(param_index=1, param_name="b", offset_in_buffer=0, offset_in_param=0, numel=4),)
 
@@ -278,12 +284,14 @@ def test_hybrid_deferred_all_reduce_keeps_a_partial_then_folds_it_in() -> None:
         HandOff(buffer=shard, destination=Destination.PARTIAL, stream=C),
     )
     assert first.destination is Destination.PARTIAL
+    assert (first.consumed, first.carried_out) == (frozenset(), InputRole.PENDING_PARTIAL)
     assert [v.collective for v in comm_volume(first)] == ["reduce_scatter"]
     last = plan_post_backward(one_param(4), sharding, flags=StepFlags(pending_partial=True))
     assert Input(buffer=partial, role=InputRole.PENDING_PARTIAL, stream=C) in last.ops
     fold = last.ops.index(Accumulate(dst=shard, src=partial, stream=PB))
     all_reduce = next(i for i, op in enumerate(last.ops) if isinstance(op, AllReduce))
     assert fold < all_reduce
+    assert (last.consumed, last.carried_out) == (frozenset({InputRole.PENDING_PARTIAL}), InputRole.SHARDED_GRAD)
     assert check_plan(first) == [] and check_plan(last) == []
 
 
