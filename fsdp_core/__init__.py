@@ -1,14 +1,17 @@
-"""fsdp_core: FSDP's gradient post-processing as pure data.
+"""fsdp_core: FSDP's gradient post-processing and all-gather schedule as pure data.
 
 Immutable descriptors go in; a ``Plan`` (an ordered tuple of ops over named buffers on named
-streams) comes out; ``check_plan`` proves it sound; ``format_plan`` shows it. Nothing here
-imports ``torch.distributed``, touches a tensor, keeps global state or does I/O.
+streams) comes out; ``check_plan`` proves it sound; ``format_plan`` shows it. On the parameter
+side, ``plan_unshard`` turns the recorded execution order into an ``UnshardSchedule`` that
+``check_unshard`` proves sound. Nothing here imports ``torch.distributed``, touches a tensor,
+keeps global state or does I/O.
 """
 
 from fsdp_core.carry import CARRIED_ROLES, carried_role, step_flags
-from fsdp_core.comm import CommVolume, comm_volume
+from fsdp_core.comm import CommVolume, all_gather_volume, comm_volume
 from fsdp_core.config import (
     HYBRID_STRATEGIES,
+    BackwardPrefetch,
     RESHARD_AFTER_FORWARD_STRATEGIES,
     CommHook,
     CPUOffload,
@@ -63,14 +66,30 @@ from fsdp_core.ops import (
 )
 from fsdp_core.plan import Plan, PlanRequest
 from fsdp_core.planner import PLAN_BUILDERS, PlanCache, build_plan, plan_post_backward
-from fsdp_core.render import format_plan, plan_to_json
+from fsdp_core.render import format_plan, format_unshard, plan_to_json, timeline_to_json, unshard_to_json
 from fsdp_core.timeline import CostModel, TimelineEntry, format_timeline, simulate_timeline
+from fsdp_core.unshard import (
+    AwaitGather,
+    Gather,
+    HookEvent,
+    Reshard,
+    UnshardAction,
+    UnshardEvent,
+    UnshardRequest,
+    UnshardSchedule,
+    UnshardStep,
+    action_name,
+    plan_unshard,
+)
+from fsdp_core.unshard_verifier import check_unshard
 from fsdp_core.verifier import Problem, Rule, check_plan
 
 __all__ = [
     "Accumulate",
     "AllReduce",
+    "AwaitGather",
     "BackendCaps",
+    "BackwardPrefetch",
     "CARRIED_ROLES",
     "Buffer",
     "CPUOffload",
@@ -89,10 +108,12 @@ __all__ = [
     "FlatParamLayout",
     "Free",
     "FreeUnshardedParam",
+    "Gather",
     "GradViews",
     "Group",
     "HYBRID_STRATEGIES",
     "HandOff",
+    "HookEvent",
     "Input",
     "InputRole",
     "MixedPrecision",
@@ -110,6 +131,7 @@ __all__ = [
     "ReduceOpSpec",
     "RESHARD_AFTER_FORWARD_STRATEGIES",
     "ReduceScatter",
+    "Reshard",
     "Rule",
     "ShardBounds",
     "ShardView",
@@ -118,20 +140,32 @@ __all__ = [
     "StepFlags",
     "Stream",
     "TimelineEntry",
+    "UnshardAction",
+    "UnshardEvent",
+    "UnshardRequest",
+    "UnshardSchedule",
+    "UnshardStep",
     "WaitStream",
+    "action_name",
     "aligned_numel_for",
+    "all_gather_volume",
     "build_plan",
     "carried_role",
     "check_plan",
+    "check_unshard",
     "comm_volume",
     "divide_factors",
     "format_plan",
     "format_timeline",
+    "format_unshard",
     "fsdp1_predivide_factor",
     "op_name",
     "plan_post_backward",
     "plan_to_json",
+    "plan_unshard",
     "simulate_timeline",
     "step_flags",
+    "timeline_to_json",
+    "unshard_to_json",
     "unsharded_views",
 ]

@@ -3,8 +3,8 @@
 Per collective and per rank, with the ring algorithms NCCL and gloo use for large messages:
 a reduce-scatter over ``g`` ranks of an input of ``g * c`` elements sends (and receives)
 ``(g - 1) * c`` elements; an all-reduce of ``n`` elements is a reduce-scatter followed by an
-all-gather of ``ceil(n / g)``-element chunks, ``2 * (g - 1) * ceil(n / g)`` elements. A group of
-one rank sends nothing.
+all-gather of ``ceil(n / g)``-element chunks, ``2 * (g - 1) * ceil(n / g)`` elements; an
+all-gather into ``n`` elements sends ``(g - 1) * ceil(n / g)``. A group of one rank sends nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from fsdp_core.config import CommHook
 from fsdp_core.layout import ceil_div
 from fsdp_core.ops import AllReduce, CommHookCall, Group, Op, ReduceScatter, op_name
-from fsdp_core.plan import Plan
+from fsdp_core.plan import Plan, PlanRequest
 
-__all__ = ["CommVolume", "comm_volume", "ring_bytes"]
+__all__ = ["CommVolume", "all_gather_volume", "comm_volume", "ring_bytes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,10 +26,12 @@ class CommVolume:
     """One collective of a plan and what it moves per rank."""
 
     op_index: int
+    """The plan op's index; -1 for the parameter all-gather, which is no plan op."""
     collective: str
-    """``reduce_scatter`` or ``all_reduce`` (what a comm hook runs underneath, for hooks)."""
+    """``reduce_scatter``, ``all_reduce`` (what a comm hook runs underneath, for hooks) or ``all_gather``."""
     op: str
-    """The plan op: ``reduce_scatter``, ``all_reduce`` or ``comm_hook``."""
+    """The plan op: ``reduce_scatter``, ``all_reduce`` or ``comm_hook``; ``all_gather`` for the
+    parameter all-gather."""
     group: Group
     group_size: int
     input_numel: int
@@ -52,16 +54,32 @@ class CommVolume:
 
 def ring_bytes(collective: str, numel: int, group_size: int, dtype: torch.dtype) -> int:
     """Bytes one rank sends for ``collective`` (``reduce_scatter`` of an ``numel``-element input,
-    or ``all_reduce`` of ``numel`` elements) over ``group_size`` ranks."""
+    ``all_reduce`` of ``numel`` elements, or ``all_gather`` into ``numel`` elements) over
+    ``group_size`` ranks."""
     g = group_size
     if g <= 1:
         return 0
     chunk = ceil_div(numel, g)
-    if collective == "reduce_scatter":
+    if collective in ("reduce_scatter", "all_gather"):
         return (g - 1) * chunk * dtype.itemsize
     if collective == "all_reduce":
         return 2 * (g - 1) * chunk * dtype.itemsize
-    raise ValueError(f"collective: expected reduce_scatter or all_reduce, got {collective!r}")
+    raise ValueError(f"collective: expected reduce_scatter, all_reduce or all_gather, got {collective!r}")
+
+
+def all_gather_volume(request: PlanRequest) -> CommVolume | None:
+    """The all-gather that unshards the flat parameter of ``request`` (forward, or backward after
+    a reshard): every rank's padded shard in the compute dtype, over the shard group. None for
+    ``NO_SHARD``, whose parameter is never sharded."""
+    sharding = request.sharding
+    if not sharding.strategy.is_sharded:
+        return None
+    g = sharding.shard_size
+    padded = sharding.padded_numel(request.layout)
+    dtype = request.compute_dtype
+    return CommVolume(op_index=-1, collective="all_gather", op="all_gather", group=Group.SHARD, group_size=g,
+                      input_numel=sharding.shard_numel(request.layout), output_numel=padded, dtype=dtype,
+                      bytes=ring_bytes("all_gather", padded, g, dtype))
 
 
 def comm_volume(plan: Plan) -> tuple[CommVolume, ...]:

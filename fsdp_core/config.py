@@ -1,4 +1,4 @@
-"""User-facing configuration values: strategy, mixed precision, offload, comm hooks, step flags.
+"""User-facing configuration values: strategy, prefetching, mixed precision, offload, comm hooks, step flags.
 
 Every value here is immutable, hashable and validated on construction, so that a bad
 configuration fails where it is written, never half-way through a backward pass.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "BackwardPrefetch",
     "CPUOffload",
     "CommHook",
     "MixedPrecision",
@@ -64,6 +65,32 @@ class ShardingStrategy(enum.Enum):
             accepted = ", ".join(m.name for m in cls)
             raise ValueError(
                 f"sharding_strategy: unknown strategy {name!r}; accepted: {accepted}"
+            ) from None
+
+
+class BackwardPrefetch(enum.Enum):
+    """When FSDP1 issues the next unit's all-gather during backward (its ``backward_prefetch``).
+
+    ``None`` in its place means no backward prefetch: each unit is all-gathered in its own
+    pre-backward hook, and its backward waits for that all-gather.
+    """
+
+    BACKWARD_PRE = "BACKWARD_PRE"
+    """In a unit's pre-backward hook, right after its own all-gather: overlaps the next unit's
+    all-gather with this unit's backward (FSDP1's default; two unsharded units at a time)."""
+    BACKWARD_POST = "BACKWARD_POST"
+    """In a unit's post-backward hook, after it resharded: less overlap, less memory."""
+
+    @classmethod
+    def parse(cls, name: str) -> BackwardPrefetch:
+        """Return the member called ``name`` (case-insensitive), or raise ``ValueError``."""
+        key = name.strip().upper().replace("-", "_")
+        try:
+            return cls[key]
+        except KeyError:
+            accepted = ", ".join(m.name for m in cls)
+            raise ValueError(
+                f"backward_prefetch: unknown value {name!r}; accepted: {accepted} (or None)"
             ) from None
 
 

@@ -53,6 +53,10 @@ class Stream(enum.Enum):
     """FSDP's post-backward stream: casts, reduce-scatter, post-processing."""
     ALL_REDUCE = "all_reduce"
     """The hybrid replicate all-reduce and what follows it, overlapping later reduce-scatters."""
+    ALL_GATHER = "all_gather"
+    """FSDP's unshard stream: all-gathers of flat parameters (CUDA: a stream of its own; CPU:
+    asynchronous gloo work). Post-backward plans do not use it; the all-gather schedule
+    (``fsdp_core.unshard``) does."""
 
 
 class Group(enum.Enum):

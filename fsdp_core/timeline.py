@@ -1,16 +1,19 @@
 """A simulated timeline: when each op of a plan would run on its stream, under a cost model.
 
 Each stream runs its ops in order; a wait makes a stream start no earlier than the work it
-waits for ended. Collectives cost ``latency + wire bytes / link bandwidth``; element-wise ops
+waits for ended. Collectives over one group run one at a time, in the order they were issued (one
+communicator, as with NCCL), and cost ``latency + wire bytes / link bandwidth``; element-wise ops
 cost the bytes they touch over device memory bandwidth; offloads cost their bytes over the
-host link. The numbers are a model for comparing plans, not a measurement.
+host link. Given an all-gather schedule, each unit's backward also waits for its parameter's
+all-gather, issued on ``Stream.ALL_GATHER`` where the schedule says. The numbers are a model for
+comparing plans, not a measurement.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_core.comm import comm_volume
+from fsdp_core.comm import all_gather_volume, comm_volume
 from fsdp_core.ops import (
     Accumulate,
     Cast,
@@ -25,6 +28,7 @@ from fsdp_core.ops import (
     op_name,
 )
 from fsdp_core.plan import Plan
+from fsdp_core.unshard import AwaitGather, Gather, HookEvent, Reshard, UnshardEvent, UnshardSchedule
 
 __all__ = ["CostModel", "TimelineEntry", "format_timeline", "simulate_timeline"]
 
@@ -56,12 +60,16 @@ class TimelineEntry:
     """One op's simulated interval, in seconds from the first hook firing."""
 
     unit: int
-    """Which flat parameter's post-backward (0 for the first) the op belongs to."""
+    """Which unit the entry belongs to: the position of its post-backward (0 for the first), or,
+    when an all-gather schedule is simulated, the schedule's unit index."""
     op_index: int
     op: str
     stream: Stream
     start: float
     end: float
+
+
+_BACKWARD_EVENTS = (UnshardEvent.PRE_BACKWARD, UnshardEvent.POST_BACKWARD)
 
 
 def _elementwise_bytes(op: Op) -> int:
@@ -77,7 +85,12 @@ def _elementwise_bytes(op: Op) -> int:
 
 
 def simulate_timeline(
-    plan: Plan, cost: CostModel = CostModel(), *, units: int = 1, backward_seconds: float = 0.0
+    plan: Plan,
+    cost: CostModel = CostModel(),
+    *,
+    units: int = 1,
+    backward_seconds: float = 0.0,
+    unshard: UnshardSchedule | None = None,
 ) -> tuple[TimelineEntry, ...]:
     """Start and end of every op of ``plan`` under ``cost``.
 
@@ -85,13 +98,36 @@ def simulate_timeline(
     compute-stream work apart (the backward of the next unit), as for a model of ``units``
     equal FSDP units; the end-of-backward ops run once, after the last. With hybrid strategies
     this shows the all-reduce of one unit overlapping the reduce-scatter of the next.
+
+    With ``unshard``, the units are its ``backward_order`` (which must hold ``units`` units), their
+    hooks fire in the order of its ``request.events`` (so the root's post-backward comes last), and
+    the backward side of its schedule runs too: each unit's pre-backward actions when the compute
+    stream reaches its backward, its post-backward actions after its hook ops. A ``Gather`` enqueues
+    the unit's all-gather on ``Stream.ALL_GATHER`` (``latency + all_gather_volume bytes / shard
+    link``, behind the shard-group collectives issued before it; a unit already gathered this
+    backward is skipped); an ``AwaitGather`` holds the compute stream until that all-gather ends.
+    Units never gathered in backward are taken to be still gathered from forward. A unit's
+    post-backward and the next unit's pre-backward fire at the same instant here, so
+    ``BACKWARD_POST`` and no prefetch both queue the next all-gather behind the reduce-scatter
+    just issued; ``BACKWARD_PRE`` issues it a whole backward earlier, ahead of it.
     """
     if units < 1:
         raise ValueError(f"units: expected >= 1, got {units}")
     if backward_seconds < 0:
         raise ValueError(f"backward_seconds: expected >= 0, got {backward_seconds}")
+    if unshard is None:
+        hooks = tuple(HookEvent(e, u) for u in range(units) for e in _BACKWARD_EVENTS)
+    else:
+        if len(unshard.request.backward_order) != units:
+            raise ValueError(f"unshard: the schedule's backward order has {len(unshard.request.backward_order)} "
+                             f"unit(s), expected units={units}")
+        hooks = tuple(h for h in unshard.request.events if h.event in _BACKWARD_EVENTS)
     volumes = {v.op_index: v for v in comm_volume(plan)}
+    gather = all_gather_volume(plan.request)
+    gather_seconds = cost.collective_latency + (0 if gather is None else gather.bytes) / cost.shard_link_bandwidth
     now = {s: 0.0 for s in Stream}
+    busy = {g: 0.0 for g in Group}
+    gathered: dict[int, float] = {}
     out: list[TimelineEntry] = []
     hook = len(plan.hook_ops)
 
@@ -105,6 +141,8 @@ def simulate_timeline(
             v = volumes[index]
             link = cost.shard_link_bandwidth if v.group is Group.SHARD else cost.replicate_link_bandwidth
             duration = cost.collective_latency + v.bytes / link
+            start = max(start, busy[v.group])
+            busy[v.group] = start + duration
         elif isinstance(op, Offload):
             duration = op.src.nbytes / cost.host_bandwidth
         else:
@@ -113,27 +151,52 @@ def simulate_timeline(
         out.append(TimelineEntry(unit=unit, op_index=index, op=op_name(op), stream=stream,
                                  start=start, end=start + duration))
 
-    for unit in range(units):
-        if backward_seconds > 0:
-            start = now[Stream.COMPUTE]
-            now[Stream.COMPUTE] = start + backward_seconds
-            out.append(TimelineEntry(unit=unit, op_index=-1, op="backward", stream=Stream.COMPUTE,
-                                     start=start, end=start + backward_seconds))
-        for index, op in enumerate(plan.ops[:hook]):
-            run(unit, index, op)
+    def hook_actions(event: UnshardEvent, unit: int) -> None:
+        if unshard is None:
+            return
+        issued_at = now[Stream.COMPUTE]
+        for action in unshard.actions(event, unit):
+            match action:
+                case Gather() if action.unit not in gathered:
+                    start = max(now[Stream.ALL_GATHER], issued_at, busy[Group.SHARD])
+                    now[Stream.ALL_GATHER] = busy[Group.SHARD] = gathered[action.unit] = start + gather_seconds
+                    out.append(TimelineEntry(unit=action.unit, op_index=-1, op="all_gather", stream=Stream.ALL_GATHER,
+                                             start=start, end=start + gather_seconds))
+                case AwaitGather():
+                    now[Stream.COMPUTE] = max(now[Stream.COMPUTE], gathered.get(action.unit, 0.0))
+                case Gather() | Reshard():
+                    pass
+
+    for event, unit in hooks:
+        if event is UnshardEvent.PRE_BACKWARD:
+            hook_actions(event, unit)
+            if backward_seconds > 0:
+                start = now[Stream.COMPUTE]
+                now[Stream.COMPUTE] = start + backward_seconds
+                out.append(TimelineEntry(unit=unit, op_index=-1, op="backward", stream=Stream.COMPUTE,
+                                         start=start, end=start + backward_seconds))
+        else:
+            for index, op in enumerate(plan.ops[:hook]):
+                run(unit, index, op)
+            hook_actions(event, unit)
     for index, op in enumerate(plan.ops[hook:], start=hook):
-        run(units - 1, index, op)
+        run(hooks[-1].unit, index, op)
     return tuple(out)
 
 
 def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
-    """An ASCII chart of ``entries``: one row per stream, then the ops that take time."""
+    """An ASCII chart of ``entries``: one row per stream (``all_gather`` only when it has
+    entries), then the ops that take time."""
     total = max((e.end for e in entries), default=0.0)
     units = {e.unit for e in entries}
     scale = width / total if total > 0 else 0.0
-    marks = {"reduce_scatter": "R", "all_reduce": "A", "comm_hook": "H", "offload": "O", "backward": "b"}
+    marks = {"reduce_scatter": "R", "all_reduce": "A", "comm_hook": "H", "offload": "O", "backward": "b",
+             "all_gather": "G"}
+    gathers = any(e.stream is Stream.ALL_GATHER for e in entries)
     rows = []
     for stream in Stream:
+        if stream is Stream.ALL_GATHER and not gathers:
+            continue
         cells = [" "] * width
         for e in entries:
             if e.stream is not stream or e.end <= e.start:
@@ -143,7 +206,8 @@ def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
             for k in range(lo, hi):
                 cells[k] = marks.get(e.op, "=")
         rows.append(f"  {stream.value:<14}|{''.join(cells)}|")
-    lines = [f"simulated timeline: {total * 1e3:.3f} ms (b backward, R reduce-scatter, A all-reduce, "
+    legend = "b backward, " + ("G all-gather, " if gathers else "")
+    lines = [f"simulated timeline: {total * 1e3:.3f} ms ({legend}R reduce-scatter, A all-reduce, "
              f"H comm hook, O offload, = element-wise)"]
     lines += rows
     for e in entries:

@@ -14,6 +14,7 @@ import enum
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -51,7 +52,8 @@ __all__ = ["Problem", "Rule", "check_plan", "expected_destination"]
 
 
 class Rule(enum.Enum):
-    """The class of a problem the verifier reports."""
+    """The class of a problem the verifiers report: ``check_plan`` (post-backward plans) and,
+    from ``UNGATHERED_USE`` on, ``check_unshard`` (all-gather schedules)."""
 
     USE_BEFORE_WRITE = "use_before_write"
     USE_AFTER_FREE = "use_after_free"
@@ -68,18 +70,30 @@ class Rule(enum.Enum):
     HAND_OFF = "hand_off"
     VIEWS = "views"
     RESHARD = "reshard"
+    UNGATHERED_USE = "ungathered_use"
+    DOUBLE_GATHER = "double_gather"
+    UNSAFE_RESHARD = "unsafe_reshard"
+    PREFETCH_DEPTH = "prefetch_depth"
+    UNAWAITED_GATHER = "unawaited_gather"
+    UNUSED_GATHER = "unused_gather"
+    FORWARD_RESHARD = "forward_reshard"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Problem:
-    """One finding: which rule, at which op (-1 for the plan as a whole), and why."""
+    """One finding: which rule, where (-1 for the whole), and why."""
 
     rule: Rule
     op_index: int
+    """The plan op, or with ``site="event"`` the hook in ``UnshardRequest.events``; -1 for the
+    plan (or the iteration) as a whole."""
     message: str
+    site: Literal["op", "event"] = "op"
+    """What ``op_index`` counts: plan ops (``check_plan``) or hook events (``check_unshard``)."""
 
     def __str__(self) -> str:
-        where = "plan" if self.op_index < 0 else f"op {self.op_index}"
+        whole = "plan" if self.site == "op" else "iteration"
+        where = whole if self.op_index < 0 else f"{self.site} {self.op_index}"
         return f"[{self.rule.value}] {where}: {self.message}"
 
 

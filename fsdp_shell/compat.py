@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_core import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_core import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
-__all__ = ["to_cpu_offload", "to_mixed_precision", "to_sharding_strategy"]
+__all__ = ["to_backward_prefetch", "to_cpu_offload", "to_mixed_precision", "to_sharding_strategy"]
 
 
 def to_sharding_strategy(value: object) -> ShardingStrategy:
@@ -51,3 +51,20 @@ def to_cpu_offload(value: object) -> CPUOffload:
     if isinstance(offload, bool):
         return CPUOffload(offload_params=offload)
     raise TypeError(f"cpu_offload: expected None or a CPUOffload (fsdp_core's or torch's), got {value!r}")
+
+
+def to_backward_prefetch(value: object) -> BackwardPrefetch | None:
+    """fsdp_core's ``BackwardPrefetch`` member of the same name as ``value`` (ours, torch's
+    ``torch.distributed.fsdp.BackwardPrefetch``, or a string, any case), or None for None or
+    ``"none"``."""
+    if value is None or isinstance(value, BackwardPrefetch):
+        return value
+    if isinstance(value, str):
+        return None if value.strip().lower() == "none" else BackwardPrefetch.parse(value)
+    name = getattr(value, "name", None)
+    if isinstance(name, str):
+        return BackwardPrefetch.parse(name)
+    raise TypeError(
+        f"backward_prefetch: expected None or a BackwardPrefetch (BACKWARD_PRE, BACKWARD_POST; fsdp_core's "
+        f"or torch's), got {value!r}"
+    )

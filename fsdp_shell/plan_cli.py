@@ -1,8 +1,10 @@
 """``fsdp-plan``: print the post-backward plan for a configuration given on the command line.
 
 Shows the plan, its communication volume, the verifier's verdict and a simulated timeline, or
-one JSON object with ``--json``. Exit status: 0 for a sound plan, 1 when the verifier finds a
-problem, 2 for an invalid configuration (one line on stderr).
+one JSON object with ``--json``. With ``--units N`` (N > 1) of a sharded strategy it also shows the
+all-gather schedule of N equal units in a chain, its verdict, and the backward all-gathers in the
+timeline. Exit status: 0 when everything is sound, 1 when a verifier finds a problem, 2 for an
+invalid configuration (one line on stderr).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch  # noqa: E402  (after the warning filter)
 
 from fsdp_core import (  # noqa: E402
     BackendCaps,
+    BackwardPrefetch,
     CommHook,
     CPUOffload,
     Division,
@@ -27,20 +30,30 @@ from fsdp_core import (  # noqa: E402
     FlatParamLayout,
     MixedPrecision,
     Plan,
+    Problem,
+    RESHARD_AFTER_FORWARD_STRATEGIES,
     ShardingSpec,
     ShardingStrategy,
     StepFlags,
+    UnshardRequest,
+    UnshardSchedule,
+    all_gather_volume,
     check_plan,
+    check_unshard,
     comm_volume,
     format_plan,
     format_timeline,
+    format_unshard,
     plan_post_backward,
     plan_to_json,
+    plan_unshard,
     simulate_timeline,
+    timeline_to_json,
+    unshard_to_json,
 )
 from fsdp_shell.cli_parser import OneLineErrorParser
 
-__all__ = ["main", "parse_dtype", "plan_from_args"]
+__all__ = ["main", "parse_backward_prefetch", "parse_dtype", "plan_from_args", "unshard_from_args"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -62,6 +75,14 @@ def parse_dtype(text: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(
             f"unknown dtype {text!r}; accepted: float32, bfloat16, float16, float64"
         ) from None
+
+
+def parse_backward_prefetch(text: str) -> BackwardPrefetch | None:
+    """``BACKWARD_PRE``/``BACKWARD_POST`` (any case) to the member, ``none`` to None; ``ValueError``
+    naming ``backward_prefetch`` otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    return BackwardPrefetch.parse(text)
 
 
 def _numels(text: str) -> tuple[int, ...]:
@@ -114,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timeline: simulate this many equal units' post-backwards back to back (default 1)")
     p.add_argument("--backward-ms", type=float, default=0.0,
                    help="timeline: compute-stream backward time between units, in ms (default 0)")
+    p.add_argument("--backward-prefetch", default="BACKWARD_PRE",
+                   help="with --units > 1: BACKWARD_PRE (default), BACKWARD_POST or none")
+    p.add_argument("--forward-prefetch", action="store_true",
+                   help="with --units > 1: prefetch the next unit's parameters in forward")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -152,6 +177,27 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     )
 
 
+def unshard_from_args(args: argparse.Namespace, plan: Plan) -> UnshardSchedule | None:
+    """The all-gather schedule of ``--units`` equal units in a chain (root 0 wrapping the others)
+    for ``plan``'s strategy, or None with one unit or ``NO_SHARD`` (nothing is ever gathered).
+    Parses ``--backward-prefetch``; raises ``ValueError``."""
+    prefetch = parse_backward_prefetch(str(args.backward_prefetch))
+    strategy = plan.request.sharding.strategy
+    if args.units < 2 or not strategy.is_sharded:
+        return None
+    return plan_unshard(UnshardRequest.chain(
+        args.units,
+        reshard_after_forward=strategy in RESHARD_AFTER_FORWARD_STRATEGIES,
+        reshard_after_backward=plan.should_free_in_backward,
+        backward_prefetch=prefetch,
+        forward_prefetch=args.forward_prefetch,
+    ))
+
+
+def _verdict(name: str, problems: list[Problem]) -> str:
+    return f"{name}: sound" if not problems else f"{name}: UNSOUND\n" + "\n".join(f"  {p}" for p in problems)
+
+
 def _comm_table(plan: Plan) -> str:
     volumes = comm_volume(plan)
     if not volumes:
@@ -175,17 +221,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.backward_ms < 0:
             raise ValueError(f"--backward-ms: expected >= 0, got {args.backward_ms}")
         plan = plan_from_args(args)
+        schedule = unshard_from_args(args, plan)
     except (ValueError, TypeError) as exc:
         print(f"fsdp-plan: error: {exc}", file=sys.stderr)
         return 2
     problems = check_plan(plan)
+    unshard_problems = [] if schedule is None else check_unshard(schedule)
+    timeline = simulate_timeline(plan, units=args.units, backward_seconds=args.backward_ms / 1e3, unshard=schedule)
     if args.json:
-        print(json.dumps(plan_to_json(plan, problems), indent=2))
+        out = plan_to_json(plan, problems)
+        out["unshard"] = None if schedule is None else unshard_to_json(schedule, unshard_problems)
+        gather = all_gather_volume(plan.request)
+        out["all_gather_bytes"] = None if gather is None else gather.bytes
+        out["timeline"] = timeline_to_json(timeline)
+        print(json.dumps(out, indent=2))
     else:
-        verdict = "verifier: sound" if not problems else "verifier: UNSOUND\n" + "\n".join(f"  {p}" for p in problems)
-        print("\n\n".join([format_plan(plan), _comm_table(plan), verdict, format_timeline(
-            simulate_timeline(plan, units=args.units, backward_seconds=args.backward_ms / 1e3))]))
-    return 1 if problems else 0
+        parts = [format_plan(plan), _comm_table(plan), _verdict("verifier", problems)]
+        if schedule is not None:
+            parts += [format_unshard(schedule), _verdict("all-gather schedule", unshard_problems)]
+        parts.append(format_timeline(timeline))
+        print("\n\n".join(parts))
+    return 1 if problems or unshard_problems else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ The marker's kind says what is printed for the example named after the colon:
 - ``plan``: ``format_plan(plan)``, exactly;
 - ``comm``: one line per collective from ``comm_volume(plan)`` (per-rank ring volume);
 - ``problems``: ``check_plan(plan)``, one problem per line (``(sound)`` when there is none);
-- ``timeline``: ``format_timeline(simulate_timeline(plan, ...))`` with the example's units.
+- ``timeline``: ``format_timeline(simulate_timeline(plan, ...))`` with the example's units (and
+  all-gather schedule, if it has one);
+- ``schedule``: ``format_unshard(schedule)`` for an all-gather schedule of ``SCHEDULES``;
+- ``unshard_problems``: ``check_unshard(schedule)``, one problem per line (``(sound)`` when none).
 
 Usage::
 
@@ -38,7 +41,9 @@ import torch
 from fsdp_core import (
     FreeUnshardedParam,
     AllReduce,
+    AwaitGather,
     BackendCaps,
+    BackwardPrefetch,
     Buffer,
     CommHook,
     CPUOffload,
@@ -48,6 +53,7 @@ from fsdp_core import (
     DivisionPolicy,
     FlatParamLayout,
     Free,
+    Gather,
     GradViews,
     Group,
     HandOff,
@@ -58,17 +64,25 @@ from fsdp_core import (
     Plan,
     RecordStream,
     ReduceOpSpec,
+    Reshard,
     ReduceScatter,
     ShardingSpec,
     ShardingStrategy,
     StepFlags,
     Stream,
+    UnshardAction,
+    UnshardEvent,
+    UnshardRequest,
+    UnshardSchedule,
     WaitStream,
     check_plan,
+    check_unshard,
     comm_volume,
     format_plan,
     format_timeline,
+    format_unshard,
     plan_post_backward,
+    plan_unshard,
     simulate_timeline,
 )
 
@@ -77,7 +91,8 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-__all__ = ["DOCS", "EXAMPLES", "Example", "main", "regenerate", "render", "stale_blocks"]
+__all__ = ["DOCS", "EXAMPLES", "SCHEDULES", "Example", "ScheduleExample", "main", "regenerate", "render",
+           "stale_blocks"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -95,6 +110,15 @@ class Example:
     """Timeline blocks: equal units whose post-backwards run back to back."""
     backward_ms: float = 0.0
     """Timeline blocks: compute-stream backward time before each unit's hook, in ms."""
+    unshard: Callable[[], UnshardSchedule] | None = None
+    """Timeline blocks: the all-gather schedule whose backward all-gathers run too."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleExample:
+    """A named all-gather schedule."""
+
+    build: Callable[[], UnshardSchedule]
 
 
 # -- configurations ---------------------------------------------------------------------------
@@ -213,6 +237,35 @@ def _break_views() -> Plan:
     )
 
 
+def _chain(units: int = 4, prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE, *,
+           reshard_after_forward: bool = True, forward_prefetch: bool = False) -> UnshardSchedule:
+    return plan_unshard(UnshardRequest.chain(units, reshard_after_forward=reshard_after_forward,
+                                             reshard_after_backward=True, backward_prefetch=prefetch,
+                                             forward_prefetch=forward_prefetch))
+
+
+def _with_actions(schedule: UnshardSchedule,
+                  changes: Mapping[tuple[UnshardEvent, int], tuple[UnshardAction, ...]]) -> UnshardSchedule:
+    """``schedule`` with the actions of the given (event, unit) steps replaced."""
+    steps = tuple(replace(s, actions=changes.get((s.event, s.unit), s.actions)) for s in schedule.steps)
+    return UnshardSchedule(request=schedule.request, steps=steps)
+
+
+_E = UnshardEvent
+
+
+def _g(unit: int) -> Gather:
+    return Gather(unit=unit)
+
+
+def _a(unit: int) -> AwaitGather:
+    return AwaitGather(unit=unit)
+
+
+def _r(unit: int) -> Reshard:
+    return Reshard(unit=unit)
+
+
 EXAMPLES: Mapping[str, Example] = {
     # docs/examples.md: one per strategy
     "no_shard": Example(build=lambda: plan_post_backward(W1001, ShardingSpec.for_world(S.NO_SHARD, 8))),
@@ -266,6 +319,19 @@ EXAMPLES: Mapping[str, Example] = {
         units=3,
         backward_ms=3.0,
     ),
+    # docs/unshard.md: the backward all-gathers of a 4-unit chain, with and without BACKWARD_PRE
+    "chain_8m_pre": Example(
+        build=lambda: plan_post_backward(FlatParamLayout.of([("w", (8_000_000,))], torch.float32), FULL8),
+        units=4,
+        backward_ms=0.3,
+        unshard=_chain,
+    ),
+    "chain_8m_none": Example(
+        build=lambda: plan_post_backward(FlatParamLayout.of([("w", (8_000_000,))], torch.float32), FULL8),
+        units=4,
+        backward_ms=0.3,
+        unshard=lambda: _chain(prefetch=None),
+    ),
     # docs/verifier.md: a sound base plan and one broken variant per rule
     "verifier_base": Example(build=_verifier_base),
     "break_use_before_write": Example(build=lambda: _without(_verifier_base(), Input)),
@@ -289,6 +355,31 @@ EXAMPLES: Mapping[str, Example] = {
     "break_reshard": Example(build=lambda: _without(_verifier_base(), FreeUnshardedParam)),
 }
 """Every named configuration a document may show."""
+
+
+SCHEDULES: Mapping[str, ScheduleExample] = {
+    # docs/unshard.md: the 4-unit chain under each backward prefetch mode
+    "chain_pre": ScheduleExample(build=_chain),
+    "chain_post": ScheduleExample(build=lambda: _chain(prefetch=BackwardPrefetch.BACKWARD_POST)),
+    "chain_none_forward_prefetch": ScheduleExample(build=lambda: _chain(prefetch=None, forward_prefetch=True)),
+    "chain_zero2": ScheduleExample(build=lambda: _chain(reshard_after_forward=False)),
+    # docs/verifier.md: one broken variant of chain_pre per check_unshard rule
+    "break_ungathered_use": ScheduleExample(
+        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 3): (_g(2),)})),
+    "break_double_gather": ScheduleExample(
+        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 3): (_g(3), _a(3), _g(2))})),
+    "break_unsafe_reshard": ScheduleExample(
+        build=lambda: _with_actions(_chain(), {(_E.POST_BACKWARD, 3): (_r(3),)})),
+    "break_prefetch_depth": ScheduleExample(
+        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 0): (_g(3), _g(2)), (_E.PRE_BACKWARD, 3): (_a(3),)})),
+    "break_unawaited_gather": ScheduleExample(
+        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 1): (_a(1), _g(2))})),
+    "break_unused_gather": ScheduleExample(
+        build=lambda: _with_actions(_chain(), {(_E.POST_BACKWARD, 1): (_g(3), _a(3))})),
+    "break_forward_reshard": ScheduleExample(
+        build=lambda: _with_actions(_chain(), {(_E.POST_FORWARD, 2): ()})),
+}
+"""Every named all-gather schedule a document may show."""
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -318,8 +409,14 @@ def _problems(plan: Plan) -> str:
 
 def _timeline(example: Example) -> str:
     plan = example.build()
-    entries = simulate_timeline(plan, units=example.units, backward_seconds=example.backward_ms / 1e3)
+    unshard = None if example.unshard is None else example.unshard()
+    entries = simulate_timeline(plan, units=example.units, backward_seconds=example.backward_ms / 1e3, unshard=unshard)
     return format_timeline(entries)
+
+
+def _unshard_problems(schedule: UnshardSchedule) -> str:
+    found = check_unshard(schedule)
+    return "\n".join(str(p) for p in found) if found else "(sound)"
 
 
 KINDS: Mapping[str, Callable[[Example], str]] = {
@@ -330,10 +427,28 @@ KINDS: Mapping[str, Callable[[Example], str]] = {
 }
 """Marker kind -> what the block shows for an example."""
 
+SCHEDULE_KINDS: Mapping[str, Callable[[ScheduleExample], str]] = {
+    "schedule": lambda e: format_unshard(e.build()),
+    "unshard_problems": lambda e: _unshard_problems(e.build()),
+}
+"""Marker kind -> what the block shows for an all-gather schedule."""
+
+
+def _known(kind: str, name: str) -> str | None:
+    """None when ``kind:name`` can be rendered, else what is unknown (``kind`` or ``example``)."""
+    if kind in KINDS:
+        return None if name in EXAMPLES else "example"
+    if kind in SCHEDULE_KINDS:
+        return None if name in SCHEDULES else "example"
+    return "kind"
+
 
 def render(kind: str, name: str) -> str:
     """The body of block ``kind:name``: a fenced ``text`` block ending in a newline."""
-    text = KINDS[kind](EXAMPLES[name]).rstrip("\n")
+    if kind in SCHEDULE_KINDS:
+        text = SCHEDULE_KINDS[kind](SCHEDULES[name]).rstrip("\n")
+    else:
+        text = KINDS[kind](EXAMPLES[name]).rstrip("\n")
     return f"```text\n{text}\n```\n"
 
 
@@ -364,8 +479,9 @@ def _update(path: Path, text: str) -> _Update:
         paired += 1
         kind, name, body = m.group("kind"), m.group("name"), m.group("body")
         where = f"{path.name} {kind}:{name}"
-        if kind not in KINDS or name not in EXAMPLES:
-            errors.append(f"{where}: unknown {'kind' if kind not in KINDS else 'example'}")
+        unknown = _known(kind, name)
+        if unknown is not None:
+            errors.append(f"{where}: unknown {unknown}")
             return m.group(0)
         fresh = render(kind, name)
         if body != fresh:

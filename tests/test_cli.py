@@ -132,3 +132,90 @@ def test_console_script_runs_as_a_process() -> None:
     out = json.loads(done.stdout)
     assert [c["collective"] for c in out["comm"]] == ["all_reduce"]
     assert out["padded_numel"] == out["numel"] == 1001
+
+
+def _steps(out: dict[str, object]) -> list[tuple[str, int, list[str]]]:
+    unshard = out["unshard"]
+    assert isinstance(unshard, dict)
+    return [(s["event"], s["unit"], [f"{a['action']} {a['unit']}" for a in s["actions"]]) for s in unshard["steps"]]
+
+
+def test_units_show_the_all_gather_schedule_of_a_chain(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "--units", "3", "--backward-ms", "1")
+    unshard = out["unshard"]
+    assert isinstance(unshard, dict)
+    assert (unshard["root"], unshard["forward_order"], unshard["backward_order"]) == (0, [0, 1, 2], [0, 2, 1])
+    assert unshard["backward_prefetch"] == "BACKWARD_PRE" and unshard["forward_prefetch"] is False
+    assert unshard["problems"] == []
+    assert _steps(out) == [
+        ("pre_forward", 0, ["gather 0", "await 0"]),
+        ("pre_forward", 1, ["gather 1", "await 1"]),
+        ("post_forward", 1, ["reshard 1"]),
+        ("pre_forward", 2, ["gather 2", "await 2"]),
+        ("post_forward", 2, ["reshard 2"]),
+        ("post_forward", 0, []),
+        ("pre_backward", 0, ["gather 2"]),
+        ("pre_backward", 2, ["await 2", "gather 1"]),
+        ("post_backward", 2, []),
+        ("pre_backward", 1, ["await 1"]),
+        ("post_backward", 1, []),
+        ("post_backward", 0, []),
+    ]
+    # 1001 fp32 elements over 8 ranks: 7 shards of 126 elements arrive at each rank.
+    assert out["all_gather_bytes"] == 7 * 126 * 4
+    timeline = out["timeline"]
+    assert isinstance(timeline, list)
+    gathers = [(e["unit"], e["stream"]) for e in timeline if e["op"] == "all_gather"]
+    assert gathers == [(2, "all_gather"), (1, "all_gather")]
+
+
+@pytest.mark.parametrize(
+    ("options", "pre_backward_1", "post_backward_2"),
+    [
+        (["--backward-prefetch", "BACKWARD_POST"], ["await 1"], ["gather 1"]),
+        (["--backward-prefetch", "backward_post"], ["await 1"], ["gather 1"]),
+        (["--backward-prefetch", "none"], ["gather 1", "await 1"], []),
+        (["--backward-prefetch", "None", "--forward-prefetch"], ["gather 1", "await 1"], []),
+    ],
+)
+def test_backward_prefetch_options(capsys: pytest.CaptureFixture[str], options: list[str],
+                                   pre_backward_1: list[str], post_backward_2: list[str]) -> None:
+    out = run_json(capsys, "--units", "3", *options)
+    steps = {(event, unit): actions for event, unit, actions in _steps(out)}
+    # Unit 2 follows the root, whose post-backward fires last: no mode prefetches it.
+    assert steps[("pre_backward", 0)] == []
+    assert steps[("pre_backward", 2)] == ["gather 2", "await 2"]
+    assert steps[("pre_backward", 1)] == pre_backward_1
+    assert steps[("post_backward", 2)] == post_backward_2
+    forward_prefetch = "--forward-prefetch" in options
+    assert steps[("pre_forward", 0)] == ["gather 0", "await 0", *(["gather 1"] if forward_prefetch else [])]
+
+
+def test_zero2_units_stay_gathered_through_backward(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "--strategy", "SHARD_GRAD_OP", "--units", "3", "--backward-ms", "1")
+    assert all(actions == [] for event, _, actions in _steps(out) if event.endswith("backward"))
+    timeline = out["timeline"]
+    assert isinstance(timeline, list) and all(e["op"] != "all_gather" for e in timeline)
+
+
+@pytest.mark.parametrize("argv", [["--units", "1"], ["--strategy", "NO_SHARD", "--units", "4"]])
+def test_no_schedule_for_one_unit_or_no_shard(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    out = run_json(capsys, *argv)
+    assert out["unshard"] is None
+
+
+def test_text_output_shows_the_schedule_and_the_all_gathers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--units", "4", "--backward-ms", "0.01", "--numel", "8000000"]) == 0
+    text = capsys.readouterr().out
+    assert "all-gather schedule: 4 unit(s), root 0; backward_prefetch BACKWARD_PRE" in text
+    assert "all-gather schedule: sound" in text
+    assert "  all_gather    |G" in text
+    assert "unit 3 op  - all_gather      all_gather" in text
+
+
+@pytest.mark.parametrize("value", ["sideways", "pre", ""])
+def test_bad_backward_prefetch_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    assert main(["--backward-prefetch", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fsdp-plan: error: backward_prefetch:")
+    assert "BACKWARD_PRE, BACKWARD_POST" in err

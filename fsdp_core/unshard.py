@@ -1,0 +1,328 @@
+"""FSDP's all-gather side as data: what to gather, await and reshard at each hook of one iteration.
+
+The shell records, on the first iteration, the order in which units run forward and the order in
+which their pre-backward hooks fire. ``plan_unshard`` turns that record into an
+``UnshardSchedule``: for every (hook event, unit) the actions to run there, with FSDP1's
+``backward_prefetch`` and ``forward_prefetch`` semantics. ``check_unshard``
+(``fsdp_core.unshard_verifier``) proves a schedule sound by simulating one iteration. Units the
+record does not cover get the on-demand actions (gather and wait right before use), which are
+always safe.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Union
+
+from fsdp_core.config import BackwardPrefetch
+
+__all__ = [
+    "AwaitGather",
+    "Gather",
+    "HookEvent",
+    "Reshard",
+    "UnshardAction",
+    "UnshardEvent",
+    "UnshardRequest",
+    "UnshardSchedule",
+    "UnshardStep",
+    "action_name",
+    "plan_unshard",
+]
+
+
+class UnshardEvent(enum.Enum):
+    """The hooks at which the shell asks the schedule what to do, for one unit."""
+
+    PRE_FORWARD = "pre_forward"
+    """Before the unit's forward: its parameters must be gathered when the actions return."""
+    POST_FORWARD = "post_forward"
+    """After the unit's forward."""
+    PRE_BACKWARD = "pre_backward"
+    """The unit's pre-backward hook (on its forward outputs): its parameters must be gathered when
+    the actions return."""
+    POST_BACKWARD = "post_backward"
+    """The unit's post-backward hook, after the post-backward plan's ops (which reshard when
+    ``reshard_after_backward``)."""
+
+
+def _check_unit(what: str, unit: object) -> None:
+    if not isinstance(unit, int) or isinstance(unit, bool):
+        raise TypeError(f"{what}: expected an int, got {unit!r}")
+    if unit < 0:
+        raise ValueError(f"{what}: expected a unit index >= 0, got {unit}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gather:
+    """Issue the asynchronous all-gather of ``unit``'s flat parameter, unless it is already
+    gathered or in flight (then nothing happens)."""
+
+    unit: int
+
+    def __post_init__(self) -> None:
+        _check_unit("Gather.unit", self.unit)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AwaitGather:
+    """Block until ``unit``'s all-gather has landed; then its parameters may be used. The shell
+    issues the all-gather first if it never was."""
+
+    unit: int
+
+    def __post_init__(self) -> None:
+        _check_unit("AwaitGather.unit", self.unit)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reshard:
+    """Free ``unit``'s unsharded flat parameter."""
+
+    unit: int
+
+    def __post_init__(self) -> None:
+        _check_unit("Reshard.unit", self.unit)
+
+
+UnshardAction = Union[Gather, AwaitGather, Reshard]
+"""The closed union of schedule actions; executors ``match`` on it and end with ``assert_never``."""
+
+_ACTION_NAMES: dict[type, str] = {Gather: "gather", AwaitGather: "await", Reshard: "reshard"}
+
+
+def action_name(action: UnshardAction) -> str:
+    """``gather``, ``await`` or ``reshard``."""
+    return _ACTION_NAMES[type(action)]
+
+
+class HookEvent(NamedTuple):
+    """One hook firing: ``event`` for ``unit``."""
+
+    event: UnshardEvent
+    unit: int
+
+
+def _check_order(name: str, order: object, units: int) -> None:
+    if not isinstance(order, tuple):
+        raise TypeError(f"{name}: expected a tuple of unit indices, got {order!r}")
+    for unit in order:
+        if not isinstance(unit, int) or isinstance(unit, bool) or not 0 <= unit < units:
+            raise ValueError(f"{name}: expected unit indices in 0..{units - 1}, got {unit!r} in {order!r}")
+    if len(set(order)) != len(order):
+        raise ValueError(f"{name}: every unit may appear once, got {order!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnshardRequest:
+    """What one iteration's all-gather schedule depends on: the recorded orders and the policy."""
+
+    units: int
+    """How many FSDP units the tree has; unit indices are ``0 .. units - 1``."""
+    root: int
+    """The root unit: it keeps its unsharded parameter from forward to backward (FSDP1)."""
+    forward_order: tuple[int, ...]
+    """Units in the order their forward ran on the recorded iteration; empty when nothing is
+    recorded yet. Units that did not run are absent."""
+    backward_order: tuple[int, ...]
+    """Units in the order their pre-backward hook fired on the recorded iteration; may be empty."""
+    reshard_after_forward: bool
+    """``FULL_SHARD``/``HYBRID_SHARD``: non-root units free their unsharded parameter after forward."""
+    reshard_after_backward: bool
+    """The post-backward plan frees each unit's unsharded parameter (``Plan.should_free_in_backward``).
+    The schedule never does this itself; ``check_unshard`` models it."""
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    """When the next unit's all-gather is issued in backward; None: in its own pre-backward hook."""
+    forward_prefetch: bool = False
+    """Issue the next unit's all-gather in each unit's pre-forward, after its own."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.units, int) or isinstance(self.units, bool):
+            raise TypeError(f"units: expected an int, got {self.units!r}")
+        if self.units < 1:
+            raise ValueError(f"units: expected >= 1, got {self.units}")
+        if not isinstance(self.root, int) or isinstance(self.root, bool):
+            raise TypeError(f"root: expected an int, got {self.root!r}")
+        if not 0 <= self.root < self.units:
+            raise ValueError(f"root: expected 0 <= root < units={self.units}, got {self.root}")
+        _check_order("forward_order", self.forward_order, self.units)
+        _check_order("backward_order", self.backward_order, self.units)
+        for name in ("reshard_after_forward", "reshard_after_backward", "forward_prefetch"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {value!r}")
+        if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
+            raise TypeError("backward_prefetch: expected None or a BackwardPrefetch (BACKWARD_PRE, "
+                            f"BACKWARD_POST), got {self.backward_prefetch!r}")
+
+    @classmethod
+    def chain(
+        cls,
+        units: int,
+        *,
+        reshard_after_forward: bool,
+        reshard_after_backward: bool,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: bool = False,
+    ) -> UnshardRequest:
+        """A sequential model of ``units`` units as nested FSDP records it: the root (unit 0) wraps
+        units ``1 .. units - 1``, which run forward in order. The root's pre-backward hook fires
+        first (its output is the loss's input), then the others' in reverse: ``0, n-1, ..., 1``."""
+        return cls(
+            units=units,
+            root=0,
+            forward_order=tuple(range(units)),
+            backward_order=(0, *range(units - 1, 0, -1)),
+            reshard_after_forward=reshard_after_forward,
+            reshard_after_backward=reshard_after_backward,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+        )
+
+    @property
+    def events(self) -> tuple[HookEvent, ...]:
+        """The recorded iteration's hooks in the order they fire, as ``check_unshard`` simulates
+        them: forward in ``forward_order``, each unit's post-forward right after its pre-forward
+        except the root's, which comes after every other forward; then pre-backward in
+        ``backward_order``, each unit's post-backward right after its pre-backward except the
+        root's, which comes last."""
+        out: list[HookEvent] = []
+        for pre, post, order in ((UnshardEvent.PRE_FORWARD, UnshardEvent.POST_FORWARD, self.forward_order),
+                                 (UnshardEvent.PRE_BACKWARD, UnshardEvent.POST_BACKWARD, self.backward_order)):
+            for unit in order:
+                out.append(HookEvent(pre, unit))
+                if unit != self.root:
+                    out.append(HookEvent(post, unit))
+            if self.root in order:
+                out.append(HookEvent(post, self.root))
+        return tuple(out)
+
+    @property
+    def kept_after_forward(self) -> frozenset[int]:
+        """The units still gathered when backward starts: those that ran forward and either are the
+        root or do not reshard after forward."""
+        return frozenset(u for u in self.forward_order if u == self.root or not self.reshard_after_forward)
+
+    def on_demand(self, event: UnshardEvent, unit: int) -> tuple[UnshardAction, ...]:
+        """The actions for a hook the record does not cover: gather and wait right before use,
+        reshard after forward as the strategy says, nothing after backward."""
+        match event:
+            case UnshardEvent.PRE_FORWARD | UnshardEvent.PRE_BACKWARD:
+                return (Gather(unit=unit), AwaitGather(unit=unit))
+            case UnshardEvent.POST_FORWARD:
+                return (Reshard(unit=unit),) if self.reshard_after_forward and unit != self.root else ()
+            case UnshardEvent.POST_BACKWARD:
+                return ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnshardStep:
+    """The actions to run, in order, when ``event`` fires for ``unit``."""
+
+    event: UnshardEvent
+    unit: int
+    actions: tuple[UnshardAction, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.event, UnshardEvent):
+            raise TypeError(f"event: expected an UnshardEvent, got {self.event!r}")
+        _check_unit("unit", self.unit)
+        if not isinstance(self.actions, tuple) or not all(isinstance(a, (Gather, AwaitGather, Reshard))
+                                                          for a in self.actions):
+            raise TypeError(f"actions: expected a tuple of Gather, AwaitGather and Reshard, got {self.actions!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnshardSchedule:
+    """One iteration's all-gather schedule: a step per recorded hook event.
+
+    Steps name only events of ``request.events``, each at most once, and units below
+    ``request.units`` (checked on construction). ``actions`` answers every (event, unit), falling
+    back to ``request.on_demand`` where no step is given.
+    """
+
+    request: UnshardRequest
+    steps: tuple[UnshardStep, ...]
+    _table: Mapping[HookEvent, tuple[UnshardAction, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        if not isinstance(r, UnshardRequest):
+            raise TypeError(f"request: expected an UnshardRequest, got {type(r).__name__}")
+        if not isinstance(self.steps, tuple) or not all(isinstance(s, UnshardStep) for s in self.steps):
+            raise TypeError(f"steps: expected a tuple of UnshardStep, got {self.steps!r}")
+        recorded = set(r.events)
+        table = {HookEvent(e, u): r.on_demand(e, u) for u in range(r.units) for e in UnshardEvent}
+        seen: set[HookEvent] = set()
+        for step in self.steps:
+            key = HookEvent(step.event, step.unit)
+            where = f"steps: {step.event.value} of unit {step.unit}"
+            if key not in recorded:
+                raise ValueError(f"{where} is not an event of the recorded orders")
+            if key in seen:
+                raise ValueError(f"{where} appears twice")
+            seen.add(key)
+            for action in step.actions:
+                if action.unit >= r.units:
+                    raise ValueError(f"{where}: {action_name(action)} of unit {action.unit}, but units={r.units}")
+            table[key] = step.actions
+        object.__setattr__(self, "_table", MappingProxyType(table))
+
+    def actions(self, event: UnshardEvent, unit: int) -> tuple[UnshardAction, ...]:
+        """What to run when ``event`` fires for ``unit``: the step's actions, or the on-demand
+        ones. Constant time."""
+        try:
+            return self._table[HookEvent(event, unit)]
+        except KeyError:
+            raise ValueError(f"unit: expected 0 <= unit < {self.request.units} and an UnshardEvent, "
+                             f"got {event!r} of unit {unit!r}") from None
+
+
+def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
+    """The all-gather schedule FSDP1 runs for ``request``, one step per recorded hook event.
+
+    - pre-forward of ``u``: ``Gather(u)`` unless it was prefetched, ``AwaitGather(u)``; with
+      ``forward_prefetch`` then ``Gather`` of the next unit in ``forward_order``.
+    - post-forward of ``u``: ``Reshard(u)`` when ``reshard_after_forward`` and ``u`` is not the root.
+    - pre-backward of ``u``: nothing for a unit still gathered from forward; otherwise ``Gather(u)``
+      unless it was prefetched, and ``AwaitGather(u)``. With ``BACKWARD_PRE`` then ``Gather`` of the
+      next unit in ``backward_order``.
+    - post-backward of ``u``: with ``BACKWARD_POST``, ``Gather`` of the next unit in
+      ``backward_order``, unless ``u`` is the root (its post-backward fires last).
+
+    A prefetch targets only the next unit, and only when that unit will need gathering (FSDP1's
+    ``_needs_pre_backward_unshard``): when units stay gathered from forward, backward prefetches
+    nothing.
+    """
+    r = request
+    kept = r.kept_after_forward
+    forward_next = dict(zip(r.forward_order, r.forward_order[1:])) if r.forward_prefetch else {}
+    backward_next = {u: v for u, v in zip(r.backward_order, r.backward_order[1:]) if v not in kept}
+    pre_backward_next = backward_next if r.backward_prefetch is BackwardPrefetch.BACKWARD_PRE else {}
+    post_backward_next = ({u: v for u, v in backward_next.items() if u != r.root}
+                          if r.backward_prefetch is BackwardPrefetch.BACKWARD_POST else {})
+    forward_prefetched = set(forward_next.values())
+    backward_prefetched = set(pre_backward_next.values()) | set(post_backward_next.values())
+
+    def prefetch(targets: dict[int, int], unit: int) -> tuple[UnshardAction, ...]:
+        return (Gather(unit=targets[unit]),) if unit in targets else ()
+
+    def gather(unit: int, prefetched: set[int]) -> tuple[UnshardAction, ...]:
+        return (() if unit in prefetched else (Gather(unit=unit),)) + (AwaitGather(unit=unit),)
+
+    def actions(event: UnshardEvent, unit: int) -> tuple[UnshardAction, ...]:
+        match event:
+            case UnshardEvent.PRE_FORWARD:
+                return gather(unit, forward_prefetched) + prefetch(forward_next, unit)
+            case UnshardEvent.POST_FORWARD:
+                return r.on_demand(event, unit)
+            case UnshardEvent.PRE_BACKWARD:
+                own = () if unit in kept else gather(unit, backward_prefetched)
+                return own + prefetch(pre_backward_next, unit)
+            case UnshardEvent.POST_BACKWARD:
+                return prefetch(post_backward_next, unit)
+
+    steps = tuple(UnshardStep(event=e.event, unit=e.unit, actions=actions(e.event, e.unit)) for e in r.events)
+    return UnshardSchedule(request=r, steps=steps)
