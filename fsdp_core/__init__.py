@@ -65,7 +65,7 @@ from fsdp_core.ops import (
     op_name,
 )
 from fsdp_core.plan import Plan, PlanRequest
-from fsdp_core.planner import PLAN_BUILDERS, PlanCache, build_plan, plan_post_backward
+from fsdp_core.planner import PLAN_BUILDERS, PlanCache, UnsoundPlanError, build_plan, plan_post_backward
 from fsdp_core.render import format_plan, format_unshard, plan_to_json, timeline_to_json, unshard_to_json
 from fsdp_core.timeline import CostModel, TimelineEntry, format_timeline, simulate_timeline
 from fsdp_core.unshard import (
@@ -140,6 +140,7 @@ __all__ = [
     "StepFlags",
     "Stream",
     "TimelineEntry",
+    "UnsoundPlanError",
     "UnshardAction",
     "UnshardEvent",
     "UnshardRequest",

@@ -43,8 +43,9 @@ from fsdp_core.ops import (
     WaitStream,
 )
 from fsdp_core.plan import Plan, PlanRequest, buffers_of
+from fsdp_core.verifier import Problem, check_plan
 
-__all__ = ["PLAN_BUILDERS", "PlanCache", "build_plan", "plan_post_backward"]
+__all__ = ["PLAN_BUILDERS", "PlanCache", "UnsoundPlanError", "build_plan", "plan_post_backward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,12 +401,45 @@ def plan_post_backward(
 class PlanCache:
     """Plans by request, built once: what the shell consults on every backward.
 
-    Owned by whoever plans (one per FSDP root), so the core keeps no global state.
+    With ``verify`` every plan is proved sound by ``check_plan`` when it is first built (a
+    cache miss), and an unsound one raises ``UnsoundPlanError`` instead of being returned, so
+    verification costs nothing per step. Owned by whoever plans (one per FSDP root), so the
+    core keeps no global state.
     """
 
-    def __init__(self, maxsize: int = 4096) -> None:
-        self._get: Callable[[PlanRequest], Plan] = functools.lru_cache(maxsize=maxsize)(build_plan)
+    def __init__(self, maxsize: int = 4096, *, verify: bool = False) -> None:
+        build = _build_verified if verify else build_plan
+        self._get: functools._lru_cache_wrapper[Plan] = functools.lru_cache(maxsize=maxsize)(build)
+        self.verify = verify
 
     def __call__(self, request: PlanRequest) -> Plan:
         """The plan for ``request``, from the cache when it was built before."""
         return self._get(request)
+
+    @property
+    def hits(self) -> int:
+        """Lookups answered from the cache."""
+        return self._get.cache_info().hits
+
+    @property
+    def misses(self) -> int:
+        """Plans built (and, with ``verify``, checked)."""
+        return self._get.cache_info().misses
+
+
+class UnsoundPlanError(RuntimeError):
+    """A plan the verifier rejects; ``problems`` lists why."""
+
+    def __init__(self, plan: Plan, problems: list[Problem]) -> None:
+        self.plan = plan
+        self.problems = tuple(problems)
+        listed = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"the plan for {plan.request.sharding.strategy.name} is unsound:\n{listed}")
+
+
+def _build_verified(request: PlanRequest) -> Plan:
+    plan = build_plan(request)
+    problems = check_plan(plan)
+    if problems:
+        raise UnsoundPlanError(plan, problems)
+    return plan

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_core import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, MixedPrecision, ShardingStrategy
 
-__all__ = ["to_backward_prefetch", "to_cpu_offload", "to_mixed_precision", "to_sharding_strategy"]
+__all__ = [
+    "to_backward_prefetch",
+    "to_cpu_offload",
+    "to_division_policy",
+    "to_mixed_precision",
+    "to_sharding_strategy",
+]
 
 
 def to_sharding_strategy(value: object) -> ShardingStrategy:
@@ -68,3 +74,15 @@ def to_backward_prefetch(value: object) -> BackwardPrefetch | None:
         f"backward_prefetch: expected None or a BackwardPrefetch (BACKWARD_PRE, BACKWARD_POST; fsdp_core's "
         f"or torch's), got {value!r}"
     )
+
+
+def to_division_policy(value: object) -> DivisionPolicy:
+    """``DivisionPolicy`` from itself or its value (``"pre_post"``, ``"in_collective"``)."""
+    if isinstance(value, DivisionPolicy):
+        return value
+    if isinstance(value, str):
+        for member in DivisionPolicy:
+            if member.value == value.strip().lower().replace("-", "_"):
+                return member
+    accepted = ", ".join(repr(m.value) for m in DivisionPolicy)
+    raise ValueError(f"division_policy: expected a DivisionPolicy or one of {accepted}, got {value!r}")

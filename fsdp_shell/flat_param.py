@@ -1,40 +1,125 @@
-"""One FSDP unit's flat parameter: flatten, shard, all-gather, free, and the original parameters.
+"""One FSDP unit's flat parameter: flatten, shard, all-gather, free, views, and carried gradients.
 
 The local shard (``self.local``, padded to the shard size) is the storage the optimizer owns.
 ``flat_param`` is the ``nn.Parameter`` autograd sees: its ``.data`` is the local shard when
-sharded and a view of the all-gathered buffer when unsharded. As in FSDP1, the all-gathered
-buffer's storage is freed and re-allocated in place, so the views autograd saved in forward see
-the re-gathered values in backward.
+sharded and the all-gathered buffer when unsharded. As in FSDP1, the all-gathered buffer's
+storage is freed and re-allocated in place, so the views autograd saved in forward see the
+re-gathered values in backward, and the original parameters are views made by one
+``torch.split`` of the flat parameter (one ``SplitWithSizesBackward`` in backward, not one
+full-size slice gradient per parameter).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp_shell.collectives import all_gather_flat
+from fsdp_shell.interpreter import CollectiveLog
 from fsdp_core import (
-    Destination,
     FlatParamLayout,
+    Group,
+    InputRole,
+    Plan,
     PlanRequest,
     ShardingSpec,
     ShardView,
 )
 
-__all__ = ["FlatParamHandle", "OrigParam"]
+__all__ = ["CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad"]
 
 
 @dataclass(frozen=True, slots=True)
 class OrigParam:
-    """An original parameter: where it is registered and its name in the unwrapped model."""
+    """Where an original parameter is registered and its name in the unwrapped model."""
 
     module: nn.Module
     attr: str
     fqn: str
-    param: nn.Parameter
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedGrads:
+    """The gradient state one unit carries from one backward into the next, by the input role
+    the next plan takes it in: the reduced shard the optimizer sees (``SHARDED_GRAD``), the
+    unsharded accumulation of ``no_sync`` backwards (``PENDING_UNSHARDED``), the hybrid partial
+    reduction whose replicate all-reduce was deferred (``PENDING_PARTIAL``).
+
+    ``visible`` is the role the user's ``.grad`` shows. Where that ``.grad`` is the tensor
+    itself (the flat parameter's, without ``use_orig_params``), the tensor is not held here
+    but taken back from ``.grad`` (``reclaimed``) at the next backward, so ``zero_grad()``
+    frees it as in FSDP1. Plans say what they consume and what they leave (``Plan.consumed``,
+    ``Plan.carried_out``); ``after`` applies that, so no state is inferred from tensor sizes.
+    """
+
+    tensors: Mapping[InputRole, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
+    visible: InputRole | None = None
+
+    @property
+    def roles(self) -> frozenset[InputRole]:
+        """The roles carried, held here or in the user's ``.grad``."""
+        held = frozenset(self.tensors)
+        return held if self.visible is None else held | {self.visible}
+
+    def take(self, role: InputRole) -> torch.Tensor:
+        """The tensor carried under ``role``; a plan asking for one that is not held is a bug."""
+        try:
+            return self.tensors[role]
+        except KeyError:
+            raise RuntimeError(f"the plan takes a carried {role.value} gradient this unit does not hold") from None
+
+    def after(self, plan: Plan, handed: torch.Tensor) -> CarriedGrads:
+        """The state once ``plan`` has consumed its carried inputs and handed ``handed`` off."""
+        kept = {role: t for role, t in self.tensors.items() if role not in plan.consumed}
+        out = plan.carried_out
+        if out is not None:
+            kept[out] = handed
+        return CarriedGrads(MappingProxyType(kept), _visible_role(kept))
+
+    def exposed(self) -> tuple[CarriedGrads, torch.Tensor | None]:
+        """Hand the visible tensor to the user's ``.grad``: the state without it, and it."""
+        if self.visible is None or self.visible not in self.tensors:
+            return self, None
+        shown = self.tensors[self.visible]
+        rest = {role: t for role, t in self.tensors.items() if role is not self.visible}
+        return CarriedGrads(MappingProxyType(rest), self.visible), shown
+
+    def reclaimed(self, seen: torch.Tensor | None, shard_numel: int) -> CarriedGrads:
+        """Take the visible tensor back from the user's ``.grad`` (``seen``). None after it was
+        shown means ``zero_grad(set_to_none=True)``: everything carried is dropped. A ``.grad``
+        the user assigned while none was shown is carried as the reduced shard."""
+        if self.visible is not None and self.visible not in self.tensors:
+            if seen is None:
+                return CarriedGrads()
+            return CarriedGrads(MappingProxyType({**self.tensors, self.visible: seen.data.view(-1)}), self.visible)
+        if seen is None:
+            return self
+        if seen.numel() != shard_numel:
+            raise RuntimeError(
+                f"flat parameter .grad: expected {shard_numel} elements (this rank's shard), got "
+                f"{seen.numel()}; assign gradients of the sharded parameter"
+            )
+        held = {**self.tensors, InputRole.SHARDED_GRAD: seen.data.view(-1)}
+        return CarriedGrads(MappingProxyType(held), _visible_role(held))
+
+    def cleared_if(self, user_zeroed: bool) -> CarriedGrads:
+        """Nothing, when the user has dropped the visible gradient; else the same state."""
+        return CarriedGrads() if user_zeroed and self.visible is not None else self
+
+
+def _visible_role(held: Mapping[InputRole, torch.Tensor]) -> InputRole | None:
+    """What ``.grad`` shows between backwards: the ``no_sync`` accumulation while there is one
+    (as in FSDP1), else the reduced shard; a partial reduction is never shown."""
+    for role in (InputRole.PENDING_UNSHARDED, InputRole.SHARDED_GRAD):
+        if role in held:
+            return role
+    return None
 
 
 def _free_storage(t: torch.Tensor) -> None:
@@ -64,16 +149,48 @@ def set_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     param.grad.data = grad
 
 
+class _Gathered(enum.Enum):
+    SHARDED = "sharded"
+    IN_FLIGHT = "in_flight"
+    UNSHARDED = "unsharded"
+
+
+@dataclass(frozen=True, slots=True)
+class _Pieces:
+    """How ``torch.split`` cuts the unsharded flat parameter: every piece's size in order
+    (alignment gaps included), and which piece holds which original parameter."""
+
+    sizes: tuple[int, ...]
+    param_piece: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: FlatParamLayout) -> _Pieces:
+        sizes: list[int] = []
+        param_piece: list[int] = []
+        end = 0
+        for index in range(len(layout.params)):
+            start, stop = layout.param_range(index)
+            if start > end:
+                sizes.append(start - end)
+            param_piece.append(len(sizes))
+            sizes.append(stop - start)
+            end = stop
+        return cls(tuple(sizes), tuple(param_piece))
+
+
 class FlatParamHandle:
     """The flat parameter of one FSDP unit and everything done to it outside the post-backward plan."""
 
     def __init__(
         self,
         params: list[OrigParam],
+        tensors: list[nn.Parameter],
         *,
         base_request: PlanRequest,
         shard_group: dist.ProcessGroup,
         device: torch.device,
+        log: CollectiveLog,
+        gather_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.params = params
         self.request = base_request
@@ -88,33 +205,40 @@ class FlatParamHandle:
         self.shard_numel = self.sharding.shard_numel(self.layout)
         self.padded_numel = self.sharding.padded_numel(self.layout)
         self.is_sharded = self.sharding.strategy.is_sharded
+        self._gather_stream = gather_stream
+        self._log = log
+        self._pieces = _Pieces.of(self.layout)
 
-        full = self._flatten([p.param.detach() for p in params])
+        full = self._flatten([t.detach() for t in tensors])
         start = self.sharding.rank * self.shard_numel if self.is_sharded else 0
         local = full[start : start + self.shard_numel].clone()
+        del full
         self.local: torch.Tensor = local.cpu() if self.offload else local
-        self.flat_param = nn.Parameter(self.local, requires_grad=True)
-        self._gathered = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
+        self.flat_param = nn.Parameter(self.local, requires_grad=tensors[0].requires_grad)
+        self._gathers_in_place = self.is_sharded or self.compute_dtype != self.orig_dtype or self.offload
+        self._gathered = torch.empty(self.padded_numel if self._gathers_in_place else 0,
+                                     dtype=self.compute_dtype, device=device)
         _free_storage(self._gathered)
-        self.unsharded = False
+        self._state = _Gathered.SHARDED
+        self._pending_gather: Callable[[], None] | None = None
 
-        self.saved_grad: torch.Tensor | None = None
-        """The reduced sharded gradient from earlier backwards, to accumulate into."""
-        self.pending_unsharded: torch.Tensor | None = None
-        """The unsharded gradient accumulated inside ``no_sync``."""
-        self.partial: torch.Tensor | None = None
-        """A shard-group reduction whose replicate all-reduce was deferred."""
-        self.flat_grad: torch.Tensor | None = None
-        """The sharded gradient the optimizer sees (through views with ``use_orig_params``)."""
-
+        self.carried = CarriedGrads()
+        """Gradient state carried between backwards (see ``CarriedGrads``)."""
+        self._host_grad: torch.Tensor | None = None
+        self.orig_params: tuple[nn.Parameter, ...] = tuple(tensors) if self.use_orig_params else ()
+        """With ``use_orig_params``, the original ``Parameter`` objects (sharded views); else
+        none are kept, so their unsharded storage is released once flattened."""
+        self._shard_views = {v.param_index: v for v in self.sharding.shard_views(self.layout)}
         self._shard_view_list = self.sharding.shard_views(self.layout)
-        self._shard_views = {v.param_index: v for v in self._shard_view_list}
         for index, p in enumerate(params):
             del p.module._parameters[p.attr]
             if self.use_orig_params:
-                p.param.data = self._sharded_view(index)
-                p.param.grad = None
-                p.module._parameters[p.attr] = p.param
+                orig = self.orig_params[index]
+                orig.data = self._sharded_view(index)
+                orig.grad = None
+                p.module._parameters[p.attr] = orig
+            else:
+                tensors[index].data = torch.empty(0, dtype=self.orig_dtype, device=device)
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -135,34 +259,76 @@ class FlatParamHandle:
 
     # -- unshard / reshard -------------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """All-gather the flat parameter (in the compute dtype) and make it what autograd sees."""
-        if self.unsharded:
-            return
+    @property
+    def unsharded(self) -> bool:
+        """Whether ``flat_param`` is the unsharded parameter now."""
+        return self._state is _Gathered.UNSHARDED
+
+    @property
+    def gathering(self) -> bool:
+        """Whether an all-gather has been issued and not yet awaited."""
+        return self._state is _Gathered.IN_FLIGHT
+
+    def start_unshard(self) -> bool:
+        """Issue the all-gather of the flat parameter in the compute dtype, asynchronously where
+        the backend allows; a no-op when gathered or in flight. Returns whether one was issued."""
+        if self._state is not _Gathered.SHARDED:
+            return False
+        if not self._gathers_in_place:
+            self._state = _Gathered.IN_FLIGHT
+            self._pending_gather = None
+            return False
         _alloc_storage(self._gathered)
+        if self.is_sharded:
+            self._log.add("all_gather", Group.SHARD, self.compute_dtype, self.padded_numel)
         with torch.no_grad():
-            src = self.local.to(device=self.device, dtype=self.compute_dtype)
-            if self.is_sharded:
-                all_gather_flat(self._gathered, src, self.shard_group)
-            else:
+            src = self.local.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
+            if not self.is_sharded:
                 self._gathered.copy_(src)
-        self.flat_param.data = self._gathered[: self.layout.total_numel]
-        self.unsharded = True
+                self._pending_gather = None
+            elif self._gather_stream is not None:
+                self._gather_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._gather_stream):
+                    work = all_gather_flat(self._gathered, src, self.shard_group, async_op=True)
+                src.record_stream(self._gather_stream)
+                self._pending_gather = None if work is None else _keep_alive(work)
+            else:
+                work = all_gather_flat(self._gathered, src, self.shard_group, async_op=True)
+                self._pending_gather = None if work is None else _keep_alive(work, src)
+        self._state = _Gathered.IN_FLIGHT
+        return True
+
+    def finish_unshard(self) -> None:
+        """Wait for the all-gather (issuing it first if needed) and make the unsharded flat
+        parameter what autograd sees."""
+        if self._state is _Gathered.UNSHARDED:
+            return
+        self.start_unshard()
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is not None:
+            pending()
+        gathered = self._gathered if self._gathers_in_place else self.local
+        self.flat_param.data = gathered[: self.layout.total_numel]
+        self._state = _Gathered.UNSHARDED
 
     def free_unsharded(self) -> None:
         """Reshard: point ``flat_param`` back at the local shard and free the gathered storage."""
-        if not self.unsharded:
+        if self._state is _Gathered.SHARDED:
             return
+        if self._state is _Gathered.IN_FLIGHT:
+            self.finish_unshard()
         self.flat_param.data = self.local
-        _free_storage(self._gathered)
-        self.unsharded = False
+        if self._gathers_in_place:
+            _free_storage(self._gathered)
+        self._state = _Gathered.SHARDED
 
     def use_unsharded_views(self) -> None:
-        """Make each original parameter's attribute an autograd view of the unsharded flat parameter."""
+        """Make each original parameter's attribute a view of the unsharded flat parameter, all
+        from one ``torch.split`` (alignment gaps are pieces of their own, unused)."""
         assert self.unsharded
+        pieces = torch.split(self.flat_param, list(self._pieces.sizes))
         for index, p in enumerate(self.params):
-            start, end = self.layout.param_range(index)
-            view = self.flat_param[start:end].view(self.layout.params[index].shape)
+            view = pieces[self._pieces.param_piece[index]].view(self.layout.params[index].shape)
             if self.use_orig_params:
                 p.module._parameters[p.attr] = view  # type: ignore[assignment]  # a view tensor stands in for the Parameter during forward
             else:
@@ -170,29 +336,27 @@ class FlatParamHandle:
 
     def restore_params(self) -> None:
         """After forward: with ``use_orig_params`` the original ``Parameter`` objects come back."""
-        if not self.use_orig_params:
-            return
-        for p in self.params:
-            p.module._parameters[p.attr] = p.param
+        for p, orig in zip(self.params, self.orig_params):
+            p.module._parameters[p.attr] = orig
 
     # -- gradients around a backward ---------------------------------------------------------
 
-    def prepare_for_backward(self) -> None:
-        """Take the gradient the optimizer saw out of the way of autograd, keeping it to
-        accumulate into unless the user has zeroed it (``set_to_none``)."""
+    def begin_backward(self) -> None:
+        """Before this unit's first gradient of a backward: reconcile the carried state with what
+        the user did to the gradient they see (``zero_grad(set_to_none=True)`` drops all of it;
+        a partial reduction the user never sees is kept otherwise), then clear the flat
+        parameter's ``.grad`` so autograd accumulates this backward's gradient afresh."""
         if self.use_orig_params:
-            if all(p.param.grad is None for p in self.params):
-                self.flat_grad = None
-                self.saved_grad = None
-                self.pending_unsharded = None
-            else:
-                self.saved_grad = self.flat_grad
+            self.release_if_zeroed()
         else:
-            g = self.flat_param.grad
-            self.saved_grad = g if g is not None and g.numel() == self.shard_numel else None
-            if g is not None and g.numel() == self.layout.total_numel and self.is_sharded:
-                self.pending_unsharded = g
+            self.carried = self.carried.reclaimed(self.flat_param.grad, self.shard_numel)
         self.flat_param.grad = None
+
+    def release_if_zeroed(self) -> None:
+        """With ``use_orig_params``: once the user has set every original parameter's ``.grad``
+        to None, drop the carried gradient they were views of (FSDP1 does this before forward)."""
+        if self.use_orig_params:
+            self.carried = self.carried.cleared_if(all(p.grad is None for p in self.orig_params))
 
     def take_grad(self) -> torch.Tensor:
         """The unsharded gradient autograd just accumulated, detached from the parameter."""
@@ -202,41 +366,52 @@ class FlatParamHandle:
         self.flat_param.grad = None
         return g
 
-    def receive(self, grad: torch.Tensor, destination: Destination) -> None:
-        """Take what the plan hands off."""
-        match destination:
-            case Destination.UNSHARDED_GRAD:
-                self.pending_unsharded = grad
-            case Destination.PARTIAL:
-                self.partial = grad
-                self.pending_unsharded = None
-            case Destination.SHARDED_GRAD | Destination.ACCUMULATED_GRAD | Destination.CPU_GRAD:
-                self.flat_grad = grad
-                self.saved_grad = None
-                self.pending_unsharded = None
-                self.partial = None
-                if not self.use_orig_params:
-                    set_grad(self.flat_param, grad)
+    def hand_off(self, plan: Plan, grad: torch.Tensor) -> None:
+        """Take what ``plan`` hands off: it becomes carried state and, without
+        ``use_orig_params``, the flat parameter's ``.grad``."""
+        self.carried = self.carried.after(plan, grad)
+        self.expose()
+
+    def expose(self) -> None:
+        """Without ``use_orig_params``: the gradient the optimizer should see becomes the flat
+        parameter's ``.grad``, held only there (also after a backward in which this unit got
+        none: then ``.grad`` is put back as it was)."""
+        if self.use_orig_params:
+            return
+        self.carried, shown = self.carried.exposed()
+        if shown is not None:
+            set_grad(self.flat_param, shown)
 
     def set_grad_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at their slices of ``grad`` (None where this
         rank holds none of a parameter); unsharded views take the parameter's shape."""
         by_index = {v.param_index: v for v in views}
-        unsharded = self.is_sharded and views != self._shard_view_list
-        for index, p in enumerate(self.params):
+        shaped = not self.is_sharded or views != self._shard_view_list
+        for index, orig in enumerate(self.orig_params):
             v = by_index.get(index)
             if v is None:
-                p.param.grad = None
+                orig.grad = None
                 continue
             piece = grad[v.offset_in_buffer : v.offset_in_buffer + v.numel]
-            shaped = unsharded or not self.is_sharded
-            set_grad(p.param, piece.view(self.layout.params[index].shape) if shaped else piece)
+            set_grad(orig, piece.view(self.layout.params[index].shape) if shaped else piece)
 
-    def restore_saved_grad(self) -> None:
-        """A backward in which this unit's post-backward never ran leaves its gradient as it was."""
-        if not self.use_orig_params and self.saved_grad is not None and self.flat_param.grad is None:
-            set_grad(self.flat_param, self.saved_grad)
-        self.saved_grad = None
+    def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The host buffer an offloaded gradient is copied into: one per unit, kept across
+        backwards and pinned when the device is a GPU (FSDP1's ``_cpu_grad``), so the
+        device-to-host copy can be non-blocking."""
+        buf = self._host_grad
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._host_grad = buf
+        return buf
+
+    def optimizer_grad(self) -> torch.Tensor | None:
+        """The flat sharded gradient the optimizer steps on, if any (for clipping)."""
+        if not self.use_orig_params:
+            return self.flat_param.grad
+        if all(p.grad is None for p in self.orig_params):
+            return None
+        return self.carried.tensors.get(InputRole.SHARDED_GRAD)
 
     # -- full values --------------------------------------------------------------------------
 
@@ -264,3 +439,13 @@ class FlatParamHandle:
         start = self.sharding.rank * self.shard_numel if self.is_sharded else 0
         with torch.no_grad():
             self.local.copy_(full[start : start + self.shard_numel].to(self.local.device))
+
+
+def _keep_alive(work: dist.Work, *tensors: torch.Tensor) -> Callable[[], None]:
+    """``work.wait``, holding the collective's operands alive as long as the waiter lives."""
+
+    def wait() -> None:
+        work.wait()
+        assert tensors
+
+    return wait

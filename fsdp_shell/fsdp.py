@@ -23,26 +23,44 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_core import (
     RESHARD_AFTER_FORWARD_STRATEGIES,
+    BackwardPrefetch,
     CommHook,
     CPUOffload,
     Division,
+    DivisionPolicy,
     FlatParamLayout,
     Group,
-    InputRole,
     MixedPrecision,
-    Plan,
+    PlanCache,
     PlanRequest,
     ShardingSpec,
     ShardingStrategy,
-    StepFlags,
     Stream,
-    build_plan,
+    UnshardEvent,
+    step_flags,
 )
 from fsdp_shell.comm_hooks import builtin_kind
-from fsdp_shell.compat import to_cpu_offload, to_mixed_precision, to_sharding_strategy
+from fsdp_shell.compat import (
+    to_backward_prefetch,
+    to_cpu_offload,
+    to_division_policy,
+    to_mixed_precision,
+    to_sharding_strategy,
+)
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
 from fsdp_shell.groups import ProcessGroups, resolve_groups
-from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun, StreamRuntime
+from fsdp_shell.unshard import UnshardRunner
+from fsdp_shell.interpreter import (
+    CollectiveLog,
+    CollectiveRecord,
+    CommHookFn,
+    CpuRuntime,
+    CudaRuntime,
+    ExecContext,
+    Phase,
+    PlanRun,
+    Runtime,
+)
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 
@@ -70,6 +88,17 @@ class _Tree:
     backward_started: bool = False
     runs: list[PlanRun] = field(default_factory=list)
     buffers: list[tuple[str, nn.Module, str]] = field(default_factory=list)
+    plans: PlanCache = field(default_factory=lambda: PlanCache(verify=True))
+    """Every post-backward plan of the tree, verified once when first built."""
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    unshard: UnshardRunner | None = None
+    """The all-gather schedule, made once the root knows every unit."""
+
+    def gathers(self) -> UnshardRunner:
+        """The all-gather schedule (set at the end of the root's construction)."""
+        assert self.unshard is not None
+        return self.unshard
 
 
 def _policy(auto_wrap_policy: object) -> WrapPolicy | None:
@@ -104,15 +133,16 @@ def _device(device_id: object, groups: ProcessGroups) -> torch.device:
     raise TypeError(f"device_id: expected None, an int or a torch.device, got {device_id!r}")
 
 
-def _streams(device: torch.device) -> dict[Stream, StreamRuntime]:
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            return {
-                Stream.COMPUTE: StreamRuntime(torch.cuda.current_stream()),
-                Stream.POST_BACKWARD: StreamRuntime(torch.cuda.Stream()),  # type: ignore[no-untyped-call]  # torch.cuda.Stream is unannotated
-                Stream.ALL_REDUCE: StreamRuntime(torch.cuda.Stream()),  # type: ignore[no-untyped-call]  # torch.cuda.Stream is unannotated
-            }
-    return {s: StreamRuntime() for s in Stream}
+def _runtime(device: torch.device, log: CollectiveLog) -> Runtime:
+    """CUDA streams for the plan streams on a GPU; the host thread and the lane on the CPU."""
+    if device.type != "cuda":
+        return CpuRuntime(log)
+    with torch.cuda.device(device):
+        streams: dict[Stream, torch.cuda.Stream] = {Stream.COMPUTE: torch.cuda.current_stream()}
+        for s in Stream:
+            if s is not Stream.COMPUTE:
+                streams[s] = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch.cuda.Stream is unannotated
+        return CudaRuntime(streams)
 
 
 def _cast_floating(x: object, dtype: torch.dtype) -> object:
@@ -143,8 +173,20 @@ class FullyShardedDataParallel(nn.Module):
     - ``use_orig_params``: ``parameters()`` yields the original parameters, as sharded 1-D views
       (original shapes for ``NO_SHARD``; empty where this rank holds none), with sharded
       ``.grad`` views.
+    - ``backward_prefetch`` (keyword only): ``BACKWARD_PRE`` (default), ``BACKWARD_POST`` or
+      None, ours or torch's ``BackwardPrefetch``: when the next unit's all-gather is issued in
+      backward (before this unit's gradient computation, after it, or on demand).
+    - ``forward_prefetch`` (keyword only): issue the next unit's all-gather before this unit's
+      forward runs. Both follow the execution order recorded in the first iteration, which
+      gathers on demand; at most one all-gather runs ahead of use.
     - ``device_mesh``: a 1-D (shard) or 2-D (replicate, shard) ``DeviceMesh`` instead of
       ``process_group``.
+    - ``division_policy`` (keyword only; ours): where the average's division goes.
+      ``"pre_post"`` (default, FSDP1): divide by a power of two near sqrt(N) before the
+      reduction and by the rest after. ``"in_collective"`` (FSDP2): let the collective average
+      (``ReduceOp.AVG``, or ``PREMUL_SUM`` for a custom factor) where the backend can (NCCL) for
+      fp32/bf16, split the division for fp16, and divide once after the reduction otherwise
+      (gloo).
 
     Bad configuration raises ``ValueError``/``TypeError`` here, naming the argument.
     """
@@ -161,6 +203,9 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         device_mesh: object = None,
         *,
+        backward_prefetch: object = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: bool = False,
+        division_policy: object = DivisionPolicy.PRE_POST,
         _tree: _Tree | None = None,
     ) -> None:
         super().__init__()
@@ -171,7 +216,11 @@ class FullyShardedDataParallel(nn.Module):
         self._is_root = _tree is None
         if _tree is None:
             _tree = self._make_tree(module, process_group, sharding_strategy, cpu_offload, mixed_precision,
-                                    device_id, use_orig_params, device_mesh)
+                                    device_id, use_orig_params, device_mesh, division_policy)
+            _tree.backward_prefetch = to_backward_prefetch(backward_prefetch)
+            if not isinstance(forward_prefetch, bool):
+                raise TypeError(f"forward_prefetch: expected a bool, got {forward_prefetch!r}")
+            _tree.forward_prefetch = forward_prefetch
             policy = _policy(auto_wrap_policy)
             if policy is not None:
                 self._wrap_children(module, policy, _tree)
@@ -179,9 +228,17 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self._pre_backward_ran = False
         self._handle = self._make_handle(module, _tree)
+        self._index = len(_tree.units)
         _tree.units.append(self)
         if self._handle is not None and not _tree.use_orig_params:
             self.register_parameter("_flat_param", self._handle.flat_param)
+        if self._is_root:
+            _tree.unshard = UnshardRunner(
+                [u._handle for u in _tree.units], self._index,
+                reshard_after_forward=_tree.strategy in RESHARD_AFTER_FORWARD_STRATEGIES,
+                reshard_after_backward=_tree.strategy.is_sharded,
+                backward_prefetch=_tree.backward_prefetch, forward_prefetch=_tree.forward_prefetch,
+            )
 
     # -- construction --------------------------------------------------------------------------
 
@@ -189,6 +246,7 @@ class FullyShardedDataParallel(nn.Module):
     def _make_tree(
         module: nn.Module, process_group: object, sharding_strategy: object, cpu_offload: object,
         mixed_precision: object, device_id: object, use_orig_params: object, device_mesh: object,
+        division_policy: object,
     ) -> _Tree:
         strategy = to_sharding_strategy(sharding_strategy)
         mp = to_mixed_precision(mixed_precision)
@@ -207,13 +265,16 @@ class FullyShardedDataParallel(nn.Module):
                 )
             names[id(p)] = name
         module.to(device)
+        log = CollectiveLog()
         ctx = ExecContext(
             groups={Group.SHARD: groups.shard, **({Group.REPLICATE: groups.replicate} if groups.replicate else {})},
-            streams=_streams(device),
+            runtime=_runtime(device, log),
+            log=log,
+            reduce_scatter_via_all_reduce=groups.backend == "gloo",
         )
         tree = _Tree(strategy=strategy, mixed_precision=mp, offload=offload, use_orig_params=use_orig_params,
                      groups=groups, device=device, ctx=ctx, param_names=names,
-                     division=Division(backend=groups.caps))
+                     division=Division(policy=to_division_policy(division_policy), backend=groups.caps))
         for mod_name, mod in module.named_modules():
             for buf_name in mod._buffers:
                 if mod._buffers[buf_name] is not None:
@@ -230,14 +291,14 @@ class FullyShardedDataParallel(nn.Module):
                 setattr(module, name, FullyShardedDataParallel(child, _tree=tree))
 
     @staticmethod
-    def _owned_params(module: nn.Module, names: dict[int, str]) -> list[OrigParam]:
+    def _owned_params(module: nn.Module, names: dict[int, str]) -> list[tuple[OrigParam, nn.Parameter]]:
         """The parameters ``module`` owns outside nested units, with their unwrapped names."""
-        out: list[OrigParam] = []
+        out: list[tuple[OrigParam, nn.Parameter]] = []
 
         def visit(m: nn.Module) -> None:
             for attr, p in m._parameters.items():
                 if p is not None:
-                    out.append(OrigParam(module=m, attr=attr, fqn=names[id(p)], param=p))
+                    out.append((OrigParam(module=m, attr=attr, fqn=names[id(p)]), p))
             for child in m.children():
                 if not isinstance(child, FullyShardedDataParallel):
                     visit(child)
@@ -246,26 +307,29 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def _make_handle(self, module: nn.Module, tree: _Tree) -> FlatParamHandle | None:
-        params = self._owned_params(module, tree.param_names)
-        if not params:
+        owned = self._owned_params(module, tree.param_names)
+        if not owned:
             return None
-        dtypes = {p.param.dtype for p in params}
+        params, tensors = [o for o, _ in owned], [t for _, t in owned]
+        dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError(f"module: one FSDP unit needs one parameter dtype, got {sorted(map(str, dtypes))}")
-        if len({p.param.requires_grad for p in params}) != 1:
+        if len({t.requires_grad for t in tensors}) != 1:
             raise ValueError("module: one FSDP unit needs all its parameters to require grad, or none")
         (dtype,) = dtypes
         compute = tree.mixed_precision.compute_dtype(dtype)
-        layout = FlatParamLayout.of([(p.fqn, tuple(p.param.shape)) for p in params], dtype,
+        layout = FlatParamLayout.of([(p.fqn, tuple(t.shape)) for p, t in owned], dtype,
                                     align=tree.use_orig_params, align_dtype=compute)
         sharding = ShardingSpec(strategy=tree.strategy, shard_size=tree.groups.shard_size,
                                 replicate_size=tree.groups.replicate_size, rank=tree.groups.shard.rank())
         request = PlanRequest(layout=layout, sharding=sharding, mixed_precision=tree.mixed_precision,
                               offload=tree.offload, comm_hook=tree.comm_hook_kind, division=tree.division,
                               use_orig_params=tree.use_orig_params)
-        handle = FlatParamHandle(params, base_request=request, shard_group=tree.groups.shard, device=tree.device)
-        self._plans: dict[StepFlags, Plan] = {}
-        if params[0].param.requires_grad:
+        runtime = tree.ctx.runtime
+        gather_stream = runtime.streams[Stream.ALL_GATHER] if isinstance(runtime, CudaRuntime) else None
+        handle = FlatParamHandle(params, tensors, base_request=request, shard_group=tree.groups.shard,
+                                 device=tree.device, log=tree.ctx.log, gather_stream=gather_stream)
+        if handle.flat_param.requires_grad:
             handle.flat_param.register_post_accumulate_grad_hook(self._post_backward)  # type: ignore[no-untyped-call]  # unannotated in torch
         return handle
 
@@ -291,9 +355,10 @@ class FullyShardedDataParallel(nn.Module):
         self._require_root("flat_handles")
         return [u._handle for u in self._tree.units if u._handle is not None]
 
-    def collective_log(self) -> list[tuple[str, Group, torch.dtype, int]]:
-        """Every collective the post-backward plans have issued so far: (op, group, dtype, numel)."""
-        return list(self._tree.ctx.collectives)
+    def collective_log(self) -> list[CollectiveRecord]:
+        """Every collective the runtime has issued so far (all-gathers, reductions), in issue
+        order within each group: ``(op, group, dtype, numel, phase)``."""
+        return list(self._tree.ctx.log.records)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -316,6 +381,26 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"requires_all_reduce: only hybrid strategies can defer the all-reduce, not {self._tree.strategy.name}")
         self._tree.requires_all_reduce = requires_all_reduce
 
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        """FSDP2's ``set_gradient_divide_factor``: divide the summed gradient by ``factor``
+        instead of the data-parallel size (None restores the average). Not with a comm hook,
+        whose state divides."""
+        self._require_root("set_gradient_divide_factor")
+        tree = self._tree
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
+            raise TypeError(f"factor: expected a positive number or None, got {factor!r}")
+        division = dataclasses.replace(tree.division, factor=None if factor is None else float(factor))
+        self._replan(division=division)
+        tree.division = division
+
+    def _replan(self, **changes: Any) -> None:
+        """Apply ``changes`` to every unit's plan request; a combination the core rejects raises
+        here, before any unit has changed."""
+        handles = [u._handle for u in self._tree.units if u._handle is not None]
+        requests = [dataclasses.replace(h.request, **changes) for h in handles]
+        for h, request in zip(handles, requests):
+            h.request = request
+
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Replace the shard-group collective by ``hook(state, grad, output=None)`` (FSDP1's signature)."""
         self._require_root("register_comm_hook")
@@ -324,10 +409,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._tree.comm_hook is not None:
             raise AssertionError("register_comm_hook: a communication hook is already registered")
         kind = builtin_kind(hook)
-        for unit in self._tree.units:
-            if unit._handle is not None:
-                unit._handle.request = dataclasses.replace(unit._handle.request, comm_hook=kind)
-                unit._plans.clear()
+        self._replan(comm_hook=kind)
 
         def bound(grad: torch.Tensor, output: torch.Tensor | None) -> None:
             if output is None:
@@ -383,8 +465,7 @@ class FullyShardedDataParallel(nn.Module):
             h = unit._handle
             if h is None:
                 continue
-            g = h.flat_param.grad if not self._tree.use_orig_params else (
-                h.flat_grad if any(q.param.grad is not None for q in h.params) else None)
+            g = h.optimizer_grad()
             if g is None:
                 continue
             grads.append(g)
@@ -419,26 +500,36 @@ class FullyShardedDataParallel(nn.Module):
         reshard (``FULL_SHARD``/``HYBRID_SHARD``, non-root) and hook the outputs so backward
         re-gathers first."""
         tree, h = self._tree, self._handle
+        grad_on = torch.is_grad_enabled()
         if self._is_root:
-            for s in tree.ctx.streams.values():
-                s.drain()
+            tree.ctx.runtime.drain()
+            tree.ctx.log.phase = Phase.FORWARD
+            for unit in tree.units:
+                if unit._handle is not None:
+                    unit._handle.release_if_zeroed()
+            if grad_on:
+                tree.gathers().begin_forward()
             low = tree.mixed_precision.param_dtype
             if low is not None:
                 args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
         if h is not None:
-            h.unshard()
+            if grad_on:
+                tree.gathers().run(UnshardEvent.PRE_FORWARD, self._index)
+            h.finish_unshard()
             h.use_unsharded_views()
         try:
             out = self.module(*args, **kwargs)
         finally:
             if h is not None:
                 h.restore_params()
+            if self._is_root:
+                tree.ctx.log.phase = Phase.OTHER
         if h is not None:
-            grad_on = torch.is_grad_enabled()
-            reshard = tree.strategy in RESHARD_AFTER_FORWARD_STRATEGIES and not self._is_root
-            if reshard or not grad_on:
+            if grad_on:
+                tree.gathers().run(UnshardEvent.POST_FORWARD, self._index)
+            else:
                 h.free_unsharded()
-        if torch.is_grad_enabled():
+        if grad_on:
             self._register_pre_backward(out)
         return out
 
@@ -455,57 +546,47 @@ class FullyShardedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._tree_final_callback)
         if not self._pre_backward_ran and self._handle is not None:
             self._pre_backward_ran = True
-            self._handle.prepare_for_backward()
-            self._handle.unshard()
+            tree.ctx.log.phase = Phase.PRE_BACKWARD
+            self._handle.begin_backward()
+            tree.gathers().run(UnshardEvent.PRE_BACKWARD, self._index)
+            self._handle.finish_unshard()
         return grad
 
-    def _flags(self, h: FlatParamHandle) -> StepFlags:
-        tree = self._tree
-        sync = tree.sync_gradients
-        return StepFlags(
-            sync_gradients=sync,
-            accumulate=h.saved_grad is not None,
-            pending_unsharded=h.pending_unsharded is not None,
-            requires_all_reduce=tree.requires_all_reduce or not sync,
-            pending_partial=h.partial is not None,
-        )
-
     def _post_backward(self, param: torch.Tensor) -> None:
-        h = self._handle
+        h, tree = self._handle, self._tree
         assert h is not None
         grad = h.take_grad()
-        flags = self._flags(h)
-        plan = self._plans.get(flags)
-        if plan is None:
-            plan = self._plans[flags] = build_plan(dataclasses.replace(h.request, flags=flags))
-        inputs = {InputRole.GRAD: grad}
-        if h.pending_unsharded is not None:
-            inputs[InputRole.PENDING_UNSHARDED] = h.pending_unsharded
-        if h.saved_grad is not None:
-            inputs[InputRole.SHARDED_GRAD] = h.saved_grad
-        if h.partial is not None:
-            inputs[InputRole.PENDING_PARTIAL] = h.partial
-        run = PlanRun(plan=plan, ctx=self._tree.ctx, owner=h, inputs=inputs, comm_hook=self._tree.comm_hook)
+        sync = tree.sync_gradients
+        flags = step_flags(h.carried.roles, sync_gradients=sync,
+                           requires_all_reduce=tree.requires_all_reduce or not sync)
+        plan = tree.plans(dataclasses.replace(h.request, flags=flags))
+        run = PlanRun(plan, tree.ctx, h, grad, h.carried, tree.comm_hook)
+        tree.ctx.log.phase = Phase.POST_BACKWARD
         run.hook_phase()
-        self._tree.runs.append(run)
+        tree.runs.append(run)
+        tree.gathers().run(UnshardEvent.POST_BACKWARD, self._index)
 
     def _tree_final_callback(self) -> None:
         tree = self._tree
+        tree.ctx.log.phase = Phase.END_OF_BACKWARD
         runs, tree.runs = tree.runs, []
-        for run in runs:
-            run.callback_phase()
-        for s in tree.ctx.streams.values():
-            s.drain()
-        keep = not tree.sync_gradients and tree.strategy not in RESHARD_AFTER_FORWARD_STRATEGIES
-        for unit in tree.units:
-            unit._pre_backward_ran = False
-            h = unit._handle
-            if h is None:
-                continue
-            if h.unsharded and not keep:
-                h.free_unsharded()
-            h.restore_saved_grad()
-        tree.backward_started = False
+        try:
+            for run in runs:
+                run.callback_phase()
+            tree.ctx.runtime.drain()
+        finally:
+            keep = not tree.sync_gradients and tree.strategy not in RESHARD_AFTER_FORWARD_STRATEGIES
+            for unit in tree.units:
+                unit._pre_backward_ran = False
+                h = unit._handle
+                if h is None:
+                    continue
+                if not keep:
+                    h.free_unsharded()
+                h.expose()
+            tree.backward_started = False
+            tree.ctx.log.phase = Phase.OTHER
+        tree.gathers().end_backward()
 
 
 FSDP = FullyShardedDataParallel

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 
 from fsdp_core import CPUOffload, Group, MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, comm_hooks
+from fsdp_shell.interpreter import CollectiveRecord
 
 BATCH = 3
 """Rows of each rank's micro-batch."""
@@ -78,6 +79,9 @@ class Case:
     hybrid: str = "mesh"
     defer_all_reduce: bool = False
     steps: int = 3
+    division: str = "pre_post"
+    divide_factor: float | None = None
+    """Divide the summed gradient by this many ranks' worth (FSDP2's set_gradient_divide_factor)."""
 
 
 @dataclass
@@ -92,7 +96,6 @@ class Outcome:
     spare_grads_none: bool = True
     norm_diff: float = 0.0
     state_dict_diff: float = 0.0
-    overlapped_hooks: int = 0
     param_shapes: list[tuple[int, ...]] = field(default_factory=list)
     ref_shapes: list[tuple[int, ...]] = field(default_factory=list)
 
@@ -137,7 +140,7 @@ def _torch_full(model: TorchFSDP) -> dict[str, torch.Tensor]:
 def _step_model(
     model: nn.Module, opt: torch.optim.Optimizer, case: Case, step: int, world: int, rank: int,
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
-    before_last: Callable[[], None] = lambda: None,
+    before_last: Callable[[], None] = lambda: None, loss_scale: float = 1.0,
 ) -> None:
     micro = case.no_sync + case.accumulate
     for m in range(micro):
@@ -148,7 +151,7 @@ def _step_model(
         if m == micro - 1:
             before_last()
         with no_sync() if (in_no_sync and no_sync is not None) else contextlib.nullcontext():
-            loss = ((model(x) - y) ** 2).mean()
+            loss = ((model(x) - y) ** 2).mean() * loss_scale
             loss.backward()
 
 
@@ -164,7 +167,11 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     pg, mesh = _groups(case, world)
     model = FSDP(ours_module, process_group=pg, device_mesh=mesh, sharding_strategy=case.strategy,
                  auto_wrap_policy={Block}, mixed_precision=mp, cpu_offload=CPUOffload(offload_params=case.offload),
-                 use_orig_params=case.use_orig_params)
+                 use_orig_params=case.use_orig_params, division_policy=case.division)
+    ref_scale = 1.0
+    if case.divide_factor is not None:
+        model.set_gradient_divide_factor(case.divide_factor)
+        ref_scale = world / case.divide_factor
     if case.hook is not None:
         calls = [0]
         hook, state = _hook(case, model)
@@ -192,7 +199,7 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     topt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9) if theirs is not None else None
-    collectives = model._tree.ctx.collectives
+    collectives = model._tree.ctx.log.records
 
     def ours_no_sync() -> contextlib.AbstractContextManager[None]:
         return _counting(model.no_sync(), collectives, outcome)
@@ -205,7 +212,7 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
         if case.defer_all_reduce:
             model.set_requires_all_reduce(False)
         _step_model(model, opt, case, step, world, rank, ours_no_sync, before_last)
-        _step_model(ref, ropt, case, step, world, -1, None)
+        _step_model(ref, ropt, case, step, world, -1, None, loss_scale=ref_scale)
         if theirs is not None and topt is not None:
             _step_model(theirs, topt, case, step, world, rank, theirs.no_sync)
         if case.clip is not None:
@@ -224,11 +231,10 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
         if theirs is not None:
             d = _max_diff(full, _torch_full(theirs))
             outcome.fsdp1_diff = d if outcome.fsdp1_diff is None else max(outcome.fsdp1_diff, d)
-    outcome.reduce_dtypes = sorted({str(dtype) for kind, group, dtype, _ in collectives if group is Group.SHARD})
+    outcome.reduce_dtypes = sorted({str(r.dtype) for r in collectives if r.group is Group.SHARD and r.op != "all_gather"})
     if case.hook is not None:
         outcome.hook_calls = calls[0]
     outcome.state_dict_diff = _round_trip(model, rank)
-    outcome.overlapped_hooks = model._tree.ctx.overlapped_hooks
     return outcome
 
 
@@ -251,12 +257,12 @@ def _torch_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bo
 
 
 @contextlib.contextmanager
-def _counting(cm: contextlib.AbstractContextManager[None], log: list[tuple[str, Group, torch.dtype, int]],
+def _counting(cm: contextlib.AbstractContextManager[None], log: list[CollectiveRecord],
               outcome: Outcome) -> Iterator[None]:
     before = len(log)
     with cm:
         yield
-    outcome.collectives_in_no_sync += len(log) - before
+    outcome.collectives_in_no_sync += sum(r.op != "all_gather" for r in log[before:])
 
 
 def _hook(case: Case, model: FSDP) -> tuple[Callable[..., None], object]:

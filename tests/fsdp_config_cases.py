@@ -50,6 +50,14 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         model = FSDP(lin(), mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16))
         model.register_comm_hook(comm_hooks.DefaultState(model.process_group), comm_hooks.fp16_compress_hook)
 
+    def divide_factor(factor: object) -> Callable[[], None]:
+        return lambda: FSDP(lin()).set_gradient_divide_factor(factor)  # type: ignore[arg-type]  # bad input on purpose
+
+    def hook_then_divide_factor() -> None:
+        model = FSDP(lin())
+        model.register_comm_hook(comm_hooks.DefaultState(model.process_group), comm_hooks.allreduce_hook)
+        model.set_gradient_divide_factor(2.0)
+
     return {
         "strategy": _error(lambda: FSDP(lin(), sharding_strategy="QUARTER_SHARD")),
         "hybrid-without-groups": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
@@ -64,6 +72,10 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         "mixed-dtypes": _error(lambda: FSDP(_mixed_dtypes())),
         "hook-with-reduce-dtype": _error(hook_with_reduce_dtype),
         "not-a-module": _error(lambda: FSDP("model")),  # type: ignore[arg-type]  # bad input on purpose
+        "division-policy": _error(lambda: FSDP(lin(), division_policy="halfway")),
+        "divide-factor-zero": _error(divide_factor(0.0)),
+        "divide-factor-string": _error(divide_factor("2")),
+        "divide-factor-with-hook": _error(hook_then_divide_factor),
     }
 
 

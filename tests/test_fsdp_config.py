@@ -24,6 +24,10 @@ EXPECTED = {
     "mixed-dtypes": ("ValueError", "dtype"),
     "hook-with-reduce-dtype": ("ValueError", "comm_hook"),
     "not-a-module": ("TypeError", "module"),
+    "division-policy": ("ValueError", "division_policy"),
+    "divide-factor-zero": ("ValueError", "divide_factor"),
+    "divide-factor-string": ("TypeError", "factor"),
+    "divide-factor-with-hook": ("ValueError", "communication hook"),
 }
 
 

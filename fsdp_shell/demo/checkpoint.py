@@ -63,7 +63,7 @@ def _flat_moment(model: FullyShardedDataParallel, h: FlatParamHandle, opt: torch
         return moment
     buf = torch.zeros_like(h.local)
     for view in h.sharding.shard_views(h.layout):
-        state = opt.state[h.params[view.param_index].param]
+        state = opt.state[h.orig_params[view.param_index]]
         buf[view.offset_in_buffer : view.offset_in_buffer + view.numel].copy_(state[name].reshape(-1))
     return buf
 
@@ -72,7 +72,7 @@ def _scatter_moment(h: FlatParamHandle, opt: torch.optim.Optimizer, name: str, b
     if not h.use_orig_params:
         return
     for view in h.sharding.shard_views(h.layout):
-        state = opt.state[h.params[view.param_index].param]
+        state = opt.state[h.orig_params[view.param_index]]
         state[name].reshape(-1).copy_(buf[view.offset_in_buffer : view.offset_in_buffer + view.numel])
 
 

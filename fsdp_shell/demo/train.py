@@ -21,6 +21,7 @@ from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
+from fsdp_shell.interpreter import CollectiveRecord
 
 __all__ = ["DemoConfig", "RunResult", "reference_params", "run_rank"]
 
@@ -100,9 +101,11 @@ def _hook(model: FullyShardedDataParallel, kind: CommHook) -> None:
     model.register_comm_hook(comm_hooks.DefaultState(model.process_group), fn)
 
 
-def _wire_bytes(entries: list[tuple[str, Group, torch.dtype, int]], sizes: dict[Group, int], sharded: bool) -> int:
+def _wire_bytes(entries: list[CollectiveRecord], sizes: dict[Group, int], sharded: bool) -> int:
     total = 0
-    for op, group, dtype, numel in entries:
+    for op, group, dtype, numel, _ in entries:
+        if op == "all_gather":
+            continue
         collective = op if op != "comm_hook" else ("reduce_scatter" if sharded else "all_reduce")
         total += ring_bytes(collective, numel, sizes[group], dtype)
     return total

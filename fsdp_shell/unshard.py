@@ -1,0 +1,110 @@
+"""Run the all-gather side of FSDP from the core's verified schedule.
+
+The first iteration runs on demand (each unit gathers right before it is used) and records the
+order in which units run forward and in which their pre-backward hooks fire. At the end of that
+backward the order becomes an ``UnshardRequest``; ``plan_unshard`` turns it into the schedule
+(FSDP1's ``backward_prefetch`` / ``forward_prefetch``) and ``check_unshard`` proves it sound
+once. From then on every hook runs the schedule's actions for its event and unit.
+
+The actions run on the host thread inside the hooks, so every all-gather is issued in program
+order, the same on every rank, interleaved with the reduce-scatters of the same group exactly as
+the hooks fire.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from typing_extensions import assert_never
+
+from fsdp_core import (
+    AwaitGather,
+    BackwardPrefetch,
+    Gather,
+    Reshard,
+    UnshardEvent,
+    UnshardRequest,
+    UnshardSchedule,
+    check_unshard,
+    plan_unshard,
+)
+from fsdp_shell.flat_param import FlatParamHandle
+
+__all__ = ["UnshardRunner"]
+
+
+class UnshardRunner:
+    """The all-gather schedule of one FSDP tree: records the first iteration, then prefetches."""
+
+    def __init__(
+        self,
+        handles: Sequence[FlatParamHandle | None],
+        root: int,
+        *,
+        reshard_after_forward: bool,
+        reshard_after_backward: bool,
+        backward_prefetch: BackwardPrefetch | None,
+        forward_prefetch: bool,
+    ) -> None:
+        self._handles = handles
+        self._base = UnshardRequest(
+            units=len(handles), root=root, forward_order=(), backward_order=(),
+            reshard_after_forward=reshard_after_forward, reshard_after_backward=reshard_after_backward,
+            backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+        )
+        self.schedule: UnshardSchedule = plan_unshard(self._base)
+        """On demand until the first iteration has been recorded; then the planned schedule."""
+        self._recording = True
+        self._forward: list[int] = []
+        self._backward: list[int] = []
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the schedule comes from a recorded iteration (prefetching)."""
+        return not self._recording
+
+    def begin_forward(self) -> None:
+        """The root's forward starts a new iteration."""
+        if self._recording:
+            self._forward.clear()
+            self._backward.clear()
+
+    def run(self, event: UnshardEvent, unit: int) -> None:
+        """Run the schedule's actions for ``event`` of ``unit`` (recording the order first)."""
+        if self._recording and self._handles[unit] is not None:
+            order = self._forward if event is UnshardEvent.PRE_FORWARD else (
+                self._backward if event is UnshardEvent.PRE_BACKWARD else None)
+            if order is not None and unit not in order:
+                order.append(unit)
+        for action in self.schedule.actions(event, unit):
+            handle = self._handles[action.unit]
+            if handle is None:
+                continue
+            match action:
+                case Gather():
+                    handle.start_unshard()
+                case AwaitGather():
+                    handle.finish_unshard()
+                case Reshard():
+                    handle.free_unsharded()
+                case _:
+                    assert_never(action)
+
+    def end_backward(self) -> None:
+        """After the first complete iteration: plan and verify the schedule from its order."""
+        if not self._recording or not self._forward or not self._backward:
+            return
+        request = UnshardRequest(
+            units=self._base.units, root=self._base.root,
+            forward_order=tuple(self._forward), backward_order=tuple(self._backward),
+            reshard_after_forward=self._base.reshard_after_forward,
+            reshard_after_backward=self._base.reshard_after_backward,
+            backward_prefetch=self._base.backward_prefetch, forward_prefetch=self._base.forward_prefetch,
+        )
+        schedule = plan_unshard(request)
+        problems = check_unshard(schedule)
+        if problems:
+            listed = "\n".join(f"  {p}" for p in problems)
+            raise RuntimeError(f"the all-gather schedule planned from the first iteration is unsound:\n{listed}")
+        self.schedule = schedule
+        self._recording = False
