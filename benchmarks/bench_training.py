@@ -1,18 +1,31 @@
-"""Training-step time of fsdp_shell vs PyTorch FSDP1 and FSDP2, in one gloo world on CPU.
+"""Training step of fsdp_shell vs PyTorch FSDP1 and FSDP2, in one gloo world on CPU.
 
-Run on demand: ``python benchmarks/bench_training.py [--nproc 2] [--rounds 15]``.
+Run on demand: ``python benchmarks/bench_training.py [--rounds 15] [--models wide,tiny,hybrid]``.
 
-Two models: a "wide" MLP stack (communication and math dominate) and "tiny", 48 units of a
-few hundred parameters each (framework overhead dominates). The three implementations train
-copies of the same model interleaved, one step each per round, every rank timing the step
-between barriers; the report is the median over rounds of the per-round ratio
-ours / theirs (below 1.0: ours is faster), which cancels most of this machine's noise.
+Models: "wide" (8 units of a 512-wide residual MLP layer; communication and math dominate),
+"tiny" (48 units of a few hundred parameters; per-collective latency and framework overhead
+dominate), and "hybrid" (the wide model on 4 ranks as 2 replicas x 2 shards: our HYBRID_SHARD,
+FSDP1's HYBRID_SHARD and FSDP2's HSDP on the same 2-D mesh).
+
+- **Time**: the implementations train copies of the same model interleaved, one step each per
+  round, every rank timing the step between barriers; reported is the median over rounds of the
+  per-round ratio ours / theirs (below 1.0: ours is faster) with its interquartile range, which
+  cancels most of this machine's noise. The losses of every step are compared across the three
+  (identical inputs, identical initial weights): their largest difference is printed.
+- **Op counts**: one more step of each, under ``torch.profiler``: how often the ops that make
+  the difference ran (deterministic, unlike times).
+- **Memory**: each implementation alone in a fresh world of its own, peak RSS per rank
+  (``ru_maxrss``) after the same number of steps.
+- **Plans**: how many post-backward plans our runtime built and verified (cache misses), how
+  many lookups hit, and what verifying them cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import resource
 import statistics
 import sys
 import time
@@ -22,9 +35,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fsdp_core import ShardingStrategy, check_plan  # noqa: E402
 from fsdp_shell import FSDP  # noqa: E402
 from tests.dist_harness import run_world  # noqa: E402
 
@@ -38,76 +54,150 @@ class Layer(nn.Module):
         return torch.relu(self.lin(x)) + x
 
 
-def _model(kind: str) -> tuple[nn.Module, int]:
+SHAPES = {"wide": (512, 8, 2), "tiny": (16, 48, 2), "hybrid": (512, 8, 4)}
+"""model -> (width, units, ranks)."""
+
+
+def _model(kind: str) -> nn.Sequential:
+    width, units, _ = SHAPES[kind]
     torch.manual_seed(0)
-    if kind == "wide":
-        return nn.Sequential(*(Layer(512) for _ in range(8))), 512
-    return nn.Sequential(*(Layer(16) for _ in range(48))), 16
+    return nn.Sequential(*(Layer(width) for _ in range(units)))
 
 
-def _ours(kind: str) -> nn.Module:
-    module, _ = _model(kind)
-    return FSDP(module, auto_wrap_policy={Layer})
+def _mesh(kind: str) -> DeviceMesh | None:
+    if kind != "hybrid":
+        return None
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
 
-def _fsdp1(kind: str) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+def _ours(kind: str, mesh: DeviceMesh | None) -> nn.Module:
+    strategy = ShardingStrategy.HYBRID_SHARD if mesh is not None else ShardingStrategy.FULL_SHARD
+    return FSDP(_model(kind), auto_wrap_policy={Layer}, sharding_strategy=strategy, device_mesh=mesh)
+
+
+def _fsdp1(kind: str, mesh: DeviceMesh | None) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy as TorchStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    module, _ = _model(kind)
-    return FullyShardedDataParallel(module, auto_wrap_policy=ModuleWrapPolicy({Layer}), device_id=torch.device("cpu"))
+    strategy = TorchStrategy.HYBRID_SHARD if mesh is not None else TorchStrategy.FULL_SHARD
+    return FullyShardedDataParallel(_model(kind), auto_wrap_policy=ModuleWrapPolicy({Layer}),
+                                    device_id=torch.device("cpu"), sharding_strategy=strategy, device_mesh=mesh)
 
 
-def _fsdp2(kind: str) -> nn.Module:
+def _fsdp2(kind: str, mesh: DeviceMesh | None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    module, _ = _model(kind)
+    module = _model(kind)
     for layer in module:
-        fully_shard(layer)
-    fully_shard(module)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
     return module
 
 
-BUILDERS: dict[str, Callable[[str], nn.Module]] = {"ours": _ours, "fsdp1": _fsdp1, "fsdp2": _fsdp2}
+BUILDERS: dict[str, Callable[[str, DeviceMesh | None], nn.Module]] = {"ours": _ours, "fsdp1": _fsdp1, "fsdp2": _fsdp2}
+COUNTED = ("aten::fill_", "aten::zero_", "aten::add_", "aten::copy_", "aten::cat", "aten::slice_backward",
+           "gloo:all_gather", "gloo:all_reduce", "gloo:all_to_all")
 
 
-def bench(rank: int, world: int, arg: tuple[str, int]) -> dict[str, list[float]]:
-    """Per-round step times of each implementation on this rank."""
+def _batch(kind: str, step: int, rank: int) -> torch.Tensor:
+    width = SHAPES[kind][0]
+    return torch.randn(64, width, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach().item()
+
+
+def bench(rank: int, world: int, arg: tuple[str, int]) -> dict[str, object]:
+    """Per-round step times, losses and op counts of each implementation on this rank."""
     kind, rounds = arg
     torch.set_num_threads(1)
-    _, width = _model(kind)
-    models = {name: build(kind) for name, build in BUILDERS.items()}
+    mesh = _mesh(kind)
+    models = {name: build(kind, mesh) for name, build in BUILDERS.items()}
     opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
-    x = torch.randn(64, width)
     times: dict[str, list[float]] = {name: [] for name in models}
+    losses: dict[str, list[float]] = {name: [] for name in models}
     for r in range(rounds + 3):
+        x = _batch(kind, r, rank)
         for name, model in models.items():
             dist.barrier()
             start = time.perf_counter()
-            model(x).square().mean().backward()
-            opts[name].step()
-            opts[name].zero_grad()
+            loss = _step(model, opts[name], x)
             dist.barrier()
+            losses[name].append(loss)
             if r >= 3:
                 times[name].append(time.perf_counter() - start)
-    return times
+    counts: dict[str, dict[str, int]] = {}
+    for name, model in models.items():
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(model, opts[name], _batch(kind, rounds + 3, rank))
+        seen = collections.Counter(e.name for e in prof.events())
+        counts[name] = {op: seen[op] for op in COUNTED}
+    ours = models["ours"]
+    assert isinstance(ours, FSDP)
+    cache = ours._tree.plans
+    plans = [ours._tree.plans(h.request) for h in ours.flat_handles()]
+    start = time.perf_counter()
+    for plan in plans:
+        check_plan(plan)
+    verify_us = (time.perf_counter() - start) / len(plans) * 1e6
+    return {"times": times, "losses": losses, "counts": counts,
+            "plans": (cache.misses, cache.hits, verify_us)}
+
+
+def peak_rss(rank: int, world: int, arg: tuple[str, str, int]) -> float:
+    """Peak RSS (MiB) of this rank after ``steps`` steps of one implementation, alone."""
+    kind, name, steps = arg
+    torch.set_num_threads(1)
+    model = BUILDERS[name](kind, _mesh(kind))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        _step(model, opt, _batch(kind, step, rank))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4)
+    return q[0], statistics.median(values), q[2]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--models", default="wide,tiny,hybrid")
+    parser.add_argument("--memory-steps", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"gloo world of {args.nproc} on CPU, {args.rounds} interleaved rounds; ratio = ours / theirs (median)")
-    for kind in ("wide", "tiny"):
-        times = run_world(args.nproc, bench, (kind, args.rounds), timeout=900)[0]
+    print(f"gloo on CPU, {args.rounds} interleaved rounds; ratio = ours / theirs, median [IQR] of per-round ratios")
+    for kind in args.models.split(","):
+        ranks = SHAPES[kind][2]
+        out = run_world(ranks, bench, (kind, args.rounds), timeout=1800)
+        times, losses = out[0]["times"], out[0]["losses"]
+        assert isinstance(times, dict) and isinstance(losses, dict)
         ours = times["ours"]
-        line = [f"{kind:>5}: ours {statistics.median(ours) * 1e3:7.2f} ms/step"]
+        line = [f"{kind:>6} ({ranks} ranks): ours {statistics.median(ours) * 1e3:7.2f} ms/step"]
         for other in ("fsdp1", "fsdp2"):
-            ratios = [a / b for a, b in zip(ours, times[other])]
-            line.append(f"{other} {statistics.median(times[other]) * 1e3:7.2f} ms, ratio {statistics.median(ratios):.2f}")
+            lo, mid, hi = _quartiles([a / b for a, b in zip(ours, times[other])])
+            line.append(f"{other} {statistics.median(times[other]) * 1e3:7.2f} ms, ratio {mid:.2f} [{lo:.2f}-{hi:.2f}]")
         print(" | ".join(line))
+        worst = max(abs(a - b) for per_rank in out for other in ("fsdp1", "fsdp2")
+                    for a, b in zip(per_rank["losses"]["ours"], per_rank["losses"][other]))  # type: ignore[index]
+        print(f"{'':>8}losses: largest difference from FSDP1/FSDP2 over {len(losses['ours'])} steps, all ranks: {worst:.2e}")
+        counts = out[0]["counts"]
+        assert isinstance(counts, dict)
+        print(f"{'':>8}ops per step (rank 0): " + "; ".join(
+            f"{op.split(':')[-1]} " + "/".join(str(counts[n][op]) for n in ("ours", "fsdp1", "fsdp2"))
+            for op in COUNTED) + "  (ours/fsdp1/fsdp2)")
+        misses, hits, verify_us = out[0]["plans"]  # type: ignore[misc]
+        print(f"{'':>8}plans: {misses} built and verified once ({verify_us:.0f} us each), {hits} cache hits")
+        rss = {name: max(run_world(ranks, peak_rss, (kind, name, args.memory_steps), timeout=600)) for name in BUILDERS}
+        print(f"{'':>8}peak RSS per rank, each alone, {args.memory_steps} steps: " +
+              ", ".join(f"{n} {v:.0f} MiB" for n, v in rss.items()))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ decides when a collective runs, never the order in which collectives are issued.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import queue
@@ -131,22 +132,33 @@ class CollectiveLog:
 class Lane:
     """One FIFO worker thread that runs, in submission order, CPU work waiting for collectives.
 
-    ``drain`` blocks until everything submitted has run and re-raises the first failure; after
-    a failure the rest of the queue is skipped, so nothing runs on a half-reduced gradient."""
+    ``submit`` returns a ticket; ``wait_for(ticket)`` blocks until that work is done. ``drain``
+    blocks until everything submitted has run and re-raises the first failure; after a failure
+    the rest of the queue is skipped, so nothing runs on a half-reduced gradient."""
 
     def __init__(self, log: CollectiveLog) -> None:
         self._queue: queue.Queue[Callable[[], object]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._log = log
+        self._submitted = 0
+        self._done = 0
+        self._progress = threading.Condition()
 
-    def submit(self, work: Callable[[], object]) -> None:
-        """Run ``work`` on the lane after everything submitted before it."""
+    def submit(self, work: Callable[[], object]) -> int:
+        """Run ``work`` on the lane after everything submitted before it; returns its ticket."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="fsdp-lane", daemon=True)
             self._log._lane_thread = self._thread
             self._thread.start()
+        self._submitted += 1
         self._queue.put(work)
+        return self._submitted
+
+    def wait_for(self, ticket: int) -> None:
+        """Block until the work with ``ticket`` has run (or been skipped after a failure)."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._done >= ticket)
 
     def _serve(self) -> None:
         while True:
@@ -158,6 +170,9 @@ class Lane:
                 self._error = error
             finally:
                 del work
+                with self._progress:
+                    self._done += 1
+                    self._progress.notify_all()
                 self._queue.task_done()
 
     def drain(self) -> None:
@@ -204,15 +219,23 @@ class Runtime(Protocol):
 
 
 class CpuRuntime:
-    """Ops run on the host thread when ready, on the lane when they wait for a collective."""
+    """Ops run on the host thread when ready, on the lane when they wait for a collective.
+
+    At most ``max_in_flight`` collectives issued by the host thread are outstanding: before
+    issuing another, the hook waits for the oldest to land (0: each one lands inside its hook,
+    synchronously, as FSDP1 does on CPU). Each one in flight holds a unit's unsharded gradient
+    and its receive buffer while the next unit's backward runs, so this bounds the memory that
+    overlap costs; FSDP1, synchronous on CPU, holds none."""
 
     defers = True
     LANE_GROUPS = frozenset({Group.REPLICATE})
     """Groups whose collectives the lane issues (all of them, always): the replicate
     all-reduce reads a reduce-scatter's result, so only the lane can issue it without blocking."""
 
-    def __init__(self, log: CollectiveLog) -> None:
+    def __init__(self, log: CollectiveLog, max_in_flight: int = 1) -> None:
         self.lane = Lane(log)
+        self.max_in_flight = max_in_flight
+        self._in_flight: collections.deque[int] = collections.deque()
 
     def allocating(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
@@ -230,22 +253,28 @@ class CpuRuntime:
             return True
         if operands_pending:
             self.lane.drain()
+        while self._in_flight and len(self._in_flight) >= self.max_in_flight:
+            self.lane.wait_for(self._in_flight.popleft())
         waiter = issue()
         if waiter is None:
             return False
-        self.lane.submit(waiter)
+        if self.max_in_flight == 0:
+            waiter()
+            return False
+        self._in_flight.append(self.lane.submit(waiter))
         return True
 
     def wait_stream(self, stream: Stream, waits_for: Stream) -> None:
         return None
 
     def end_of_backward(self, stream: Stream, waits_for: Stream) -> None:
-        self.lane.drain()
+        self.drain()
 
     def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
         return None
 
     def drain(self) -> None:
+        self._in_flight.clear()
         self.lane.drain()
 
     def after_host_copy(self, stream: Stream) -> None:
