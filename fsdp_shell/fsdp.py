@@ -270,7 +270,7 @@ class FullyShardedDataParallel(nn.Module):
             groups={Group.SHARD: groups.shard, **({Group.REPLICATE: groups.replicate} if groups.replicate else {})},
             runtime=_runtime(device, log),
             log=log,
-            reduce_scatter_via_all_to_all=groups.backend == "gloo",
+            gloo_reduce_scatter=groups.backend == "gloo",
         )
         tree = _Tree(strategy=strategy, mixed_precision=mp, offload=offload, use_orig_params=use_orig_params,
                      groups=groups, device=device, ctx=ctx, param_names=names,

@@ -222,17 +222,20 @@ class CpuRuntime:
     """Ops run on the host thread when ready, on the lane when they wait for a collective.
 
     At most ``max_in_flight`` collectives issued by the host thread are outstanding: before
-    issuing another, the hook waits for the oldest to land (0: each one lands inside its hook,
-    synchronously, as FSDP1 does on CPU). Each one in flight holds a unit's unsharded gradient
-    and its receive buffer while the next unit's backward runs, so this bounds the memory that
-    overlap costs; FSDP1, synchronous on CPU, holds none."""
+    issuing another, the hook waits for the oldest to land. The default, 0, lands each one
+    inside its own hook: a shard-group reduction still in flight holds a unit's unsharded
+    gradient while the next unit's backward allocates its own, which on a CPU with no device
+    of its own buys no speed on gloo and costs that much peak memory over FSDP1 (measured by
+    ``benchmarks/bench_training.py``: +25-35 MiB, +25%, on 8 units of 2048 x 2048 with 1; equal
+    with 0). The replicate all-reduce, the slow inter-node one, is issued by the lane and
+    overlaps later backward work either way."""
 
     defers = True
     LANE_GROUPS = frozenset({Group.REPLICATE})
     """Groups whose collectives the lane issues (all of them, always): the replicate
     all-reduce reads a reduce-scatter's result, so only the lane can issue it without blocking."""
 
-    def __init__(self, log: CollectiveLog, max_in_flight: int = 1) -> None:
+    def __init__(self, log: CollectiveLog, max_in_flight: int = 0) -> None:
         self.lane = Lane(log)
         self.max_in_flight = max_in_flight
         self._in_flight: collections.deque[int] = collections.deque()
@@ -340,12 +343,8 @@ class ExecContext:
     runtime: Runtime
     log: CollectiveLog
     host_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    reduce_scatter_via_all_to_all: bool = False
-    """Gloo: a summing reduce-scatter as an all-to-all (each rank sends every other rank its
-    chunk, the same bytes as a ring reduce-scatter) and a local sum of the chunks received.
-    Gloo has no native reduce-scatter; torch emulates it with an all-reduce of a copy, which
-    moves twice the bytes and costs 4-8x the time for small and medium buffers
-    (``benchmarks/bench_collectives.py``)."""
+    gloo_reduce_scatter: bool = False
+    """Gloo: summing reduce-scatters by ``_gloo_reduce_scatter`` instead of torch's emulation."""
 
 
 class PlanOwner(Protocol):
@@ -382,6 +381,41 @@ def to_reduce_op(spec: ReduceOpSpec) -> dist.ReduceOp:
             return _make_nccl_premul_sum(spec.premul)
         case _:
             assert_never(spec.kind)
+
+
+ALL_TO_ALL_MAX_BYTES = 4 << 20
+"""Gloo reduce-scatters of inputs up to this size go by all-to-all (fast, one more buffer)."""
+
+
+def _gloo_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, *,
+                         may_overwrite_src: bool) -> Waiter:
+    """A summing reduce-scatter on gloo, which has none of its own (torch emulates it with an
+    all-reduce of a copy of ``src``: twice the bytes of a reduce-scatter, one more buffer).
+
+    Up to ``ALL_TO_ALL_MAX_BYTES``, or when ``src`` must survive: an all-to-all (every rank
+    sends each other rank its chunk, the bytes of a ring reduce-scatter) into a receive buffer
+    and a local sum of the chunks, 4-8x faster than torch's emulation on loopback
+    (``benchmarks/bench_collectives.py``). Larger inputs the plan frees right after: an
+    in-place all-reduce of ``src`` and a copy of this rank's chunk, which needs no buffer
+    beyond ``src`` and ``dst``, as the unsharded gradient dominates memory there."""
+    if may_overwrite_src and src.numel() * src.element_size() > ALL_TO_ALL_MAX_BYTES:
+        work = dist.all_reduce(src, group=group, async_op=True)
+        chunk = src.narrow(0, group.rank() * dst.numel(), dst.numel())
+
+        def land_chunk() -> None:
+            work.wait()
+            dst.copy_(chunk)
+
+        return land_chunk
+    chunks = torch.empty_like(src)
+    exchange = dist.all_to_all_single(chunks, src, group=group, async_op=True)
+
+    def land_sum() -> None:
+        exchange.wait()
+        torch.sum(chunks.view(group.size(), -1), dim=0, out=dst)
+        assert src.numel()
+
+    return land_sum
 
 
 def _waiter(work: dist.Work | None, *operands: torch.Tensor) -> Waiter | None:
@@ -508,7 +542,7 @@ class PlanRun:
                 factor = op.factor
                 self._compute(op, lambda: t.div_(factor))
             case ReduceScatter():
-                self._reduce_scatter(op)
+                self._reduce_scatter(op, index)
             case AllReduce():
                 t = self._tensor(op.buffer)
                 group, reduce_op, name = ctx.groups[op.group], to_reduce_op(op.reduce_op), op.group
@@ -543,28 +577,30 @@ class PlanRun:
         else:
             self._buffers[op.buffer.name] = self._carried.take(op.role)
 
-    def _reduce_scatter(self, op: ReduceScatter) -> None:
+    def _reduce_scatter(self, op: ReduceScatter, index: int) -> None:
         ctx = self.ctx
         src = self._tensor(op.src)
         dst = self._alloc(op.dst, op.stream, src.device)
         group, reduce_op, name = ctx.groups[op.group], to_reduce_op(op.reduce_op), op.group
-        via_all_to_all = ctx.reduce_scatter_via_all_to_all and op.reduce_op.kind is ReduceKind.SUM
+        gloo = ctx.gloo_reduce_scatter and op.reduce_op.kind is ReduceKind.SUM
+        src_dies = gloo and self._src_dies_after(index, op.src)
 
         def reduce_scatter() -> Waiter | None:
             ctx.log.add("reduce_scatter", name, src.dtype, src.numel())
-            if not via_all_to_all:
-                return _waiter(reduce_scatter_flat(dst, src, group, reduce_op, async_op=True), src, dst)
-            chunks = torch.empty_like(src)
-            work = dist.all_to_all_single(chunks, src, group=group, async_op=True)
-
-            def land() -> None:
-                work.wait()
-                torch.sum(chunks.view(group.size(), -1), dim=0, out=dst)
-                assert src.numel()
-
-            return land
+            if gloo:
+                return _gloo_reduce_scatter(dst, src, group, may_overwrite_src=src_dies)
+            return _waiter(reduce_scatter_flat(dst, src, group, reduce_op, async_op=True), src, dst)
 
         self._collective(op, op.group, reduce_scatter)
+
+    def _src_dies_after(self, index: int, src: Buffer) -> bool:
+        """Whether no op after ``index`` reads or writes ``src`` before the plan frees it."""
+        for op in self.plan.ops[index + 1 :]:
+            if isinstance(op, Free) and op.buffer == src:
+                return True
+            if not isinstance(op, RecordStream) and src in buffers_of(op):
+                return False
+        return False
 
     def _hook_call(self, op: CommHookCall) -> None:
         ctx = self.ctx
