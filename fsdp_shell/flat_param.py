@@ -32,7 +32,13 @@ from fsdp_core import (
     ShardView,
 )
 
-__all__ = ["CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad"]
+__all__ = ["ASYNC_GATHER_MAX_BYTES", "CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad"]
+
+ASYNC_GATHER_MAX_BYTES = 4 << 20
+"""On CPU, all-gathers up to this size stay in flight while the host goes on (prefetch);
+larger ones land before ``start_unshard`` returns. Gloo gathers through a temporary buffer the
+size of the output, and a large one in flight during the next unit's backward raises the peak
+above FSDP1's (synchronous on CPU) by that much (``benchmarks/bench_training.py``, "large")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,8 +301,16 @@ class FlatParamHandle:
             else:
                 work = all_gather_flat(self._gathered, src, self.shard_group, async_op=True)
                 self._pending_gather = None if work is None else _keep_alive(work, src)
+                if self._gathered.nbytes > ASYNC_GATHER_MAX_BYTES:
+                    self.finish_gather()
         self._state = _Gathered.IN_FLIGHT
         return True
+
+    def finish_gather(self) -> None:
+        """Block until an issued all-gather has landed."""
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is not None:
+            pending()
 
     def finish_unshard(self) -> None:
         """Wait for the all-gather (issuing it first if needed) and make the unsharded flat
@@ -304,9 +318,7 @@ class FlatParamHandle:
         if self._state is _Gathered.UNSHARDED:
             return
         self.start_unshard()
-        pending, self._pending_gather = self._pending_gather, None
-        if pending is not None:
-            pending()
+        self.finish_gather()
         gathered = self._gathered if self._gathers_in_place else self.local
         self.flat_param.data = gathered[: self.layout.total_numel]
         self._state = _Gathered.UNSHARDED
