@@ -412,7 +412,13 @@ def _gloo_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, group: dist.Proce
 
     def land_sum() -> None:
         exchange.wait()
-        torch.sum(chunks.view(group.size(), -1), dim=0, out=dst)
+        first, *rest = chunks.view(group.size(), -1)
+        if rest:
+            torch.add(first, rest[0], out=dst)
+            for chunk in rest[1:]:
+                dst.add_(chunk)
+        else:
+            dst.copy_(first)
         assert src.numel()
 
     return land_sum
