@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_shell.collectives import all_gather_flat
-from fsdp_shell.interpreter import CollectiveLog
+from fsdp_shell.collective_log import CollectiveLog
 from fsdp_core import (
     FlatParamLayout,
     Group,

@@ -50,17 +50,9 @@ from fsdp_shell.compat import (
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
 from fsdp_shell.groups import ProcessGroups, resolve_groups
 from fsdp_shell.unshard import UnshardRunner
-from fsdp_shell.interpreter import (
-    CollectiveLog,
-    CollectiveRecord,
-    CommHookFn,
-    CpuRuntime,
-    CudaRuntime,
-    ExecContext,
-    Phase,
-    PlanRun,
-    Runtime,
-)
+from fsdp_shell.collective_log import CollectiveLog, CollectiveRecord, Phase
+from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun
+from fsdp_shell.runtime import CpuRuntime, CudaRuntime, Runtime
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 

@@ -33,7 +33,6 @@ from fsdp_core import (
     Free,
     Group,
     Input,
-    InputRole,
     MixedPrecision,
     Op,
     Plan,

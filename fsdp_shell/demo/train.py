@@ -21,7 +21,7 @@ from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
-from fsdp_shell.interpreter import CollectiveRecord
+from fsdp_shell.collective_log import CollectiveRecord
 
 __all__ = ["DemoConfig", "RunResult", "reference_params", "run_rank"]
 
