@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from fsdp_core import (
+    PlanCache,
+    UnsoundPlanError,
     Accumulate,
     AllReduce,
     BackendCaps,
@@ -841,3 +843,21 @@ def test_full_shard_plan_that_never_reshards() -> None:
     assert plan.should_free_in_backward
     broken = drop(plan, find(plan, FreeUnshardedParam))
     assert Rule.RESHARD in rules(broken)
+
+
+def test_verifying_cache_checks_each_plan_once_and_refuses_unsound_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the shell consults on every backward: a miss builds and verifies, a hit returns the
+    same plan; a plan the verifier rejects raises with its problems instead of being returned."""
+    import fsdp_core.planner as planner
+
+    plan = make_plan(HYBRID)
+    cache = PlanCache(verify=True)
+    assert cache(plan.request) is cache(plan.request) and (cache.misses, cache.hits) == (1, 1)
+
+    broken = dataclasses.replace(plan, ops=drop(plan, find(plan, AllReduce)).ops)
+    monkeypatch.setattr(planner, "build_plan", lambda request: broken)
+    with pytest.raises(UnsoundPlanError) as caught:
+        PlanCache(verify=True)(plan.request)
+    assert caught.value.plan is broken
+    assert any(p.rule is Rule.REDUCTION for p in caught.value.problems)
+    assert PlanCache()(plan.request) is broken
