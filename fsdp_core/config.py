@@ -15,6 +15,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CommHook",
+    "HybridAllReduce",
     "MixedPrecision",
     "ShardingStrategy",
     "StepFlags",
@@ -108,6 +109,28 @@ def _check_float_dtype(argument: str, value: object) -> None:
     if not isinstance(value, torch.dtype) or value not in FLOAT_DTYPES:
         accepted = ", ".join(sorted(str(d) for d in FLOAT_DTYPES))
         raise TypeError(f"{argument}: expected None or one of {accepted}, got {value!r}")
+
+
+class HybridAllReduce(enum.Enum):
+    """Where hybrid strategies run the replicate all-reduce.
+
+    ``ASYNC`` (the default; PyTorch PR 106080): on a stream of its own, waiting only for the
+    reduce-scatter that produced its input, so it overlaps the next units' reduce-scatters,
+    all-gathers and backward. ``SYNC`` (FSDP1 before that PR): on the post-backward stream right
+    after the reduce-scatter, so the next unit's reduce-scatter waits for it."""
+
+    ASYNC = "async"
+    SYNC = "sync"
+
+    @classmethod
+    def parse(cls, name: str) -> HybridAllReduce:
+        """The member whose value is ``name`` (case-insensitive), or ``ValueError``."""
+        key = name.strip().lower()
+        for member in cls:
+            if member.value == key:
+                return member
+        accepted = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"hybrid_all_reduce: unknown placement {name!r}; accepted: {accepted}")
 
 
 @dataclass(frozen=True, slots=True)

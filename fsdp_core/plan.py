@@ -15,6 +15,7 @@ from fsdp_core.config import (
     RESHARD_AFTER_FORWARD_STRATEGIES,
     CommHook,
     CPUOffload,
+    HybridAllReduce,
     MixedPrecision,
     StepFlags,
 )
@@ -38,11 +39,17 @@ class PlanRequest:
     division: Division = Division()
     use_orig_params: bool = False
     flags: StepFlags = StepFlags()
+    hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC
 
     def __post_init__(self) -> None:
         _check_types(self)
         strategy = self.sharding.strategy
         flags = self.flags
+        if self.hybrid_all_reduce is HybridAllReduce.SYNC and not strategy.is_hybrid:
+            raise ValueError(
+                f"hybrid_all_reduce: only hybrid strategies have a replicate all-reduce to place; "
+                f"{strategy.name} needs 'async' (the default)"
+            )
         if not strategy.is_hybrid and not flags.requires_all_reduce:
             raise ValueError(
                 f"flags.requires_all_reduce: only hybrid strategies have a replicate all-reduce to "
@@ -114,6 +121,7 @@ def _check_types(request: PlanRequest) -> None:
         ("division", Division),
         ("use_orig_params", bool),
         ("flags", StepFlags),
+        ("hybrid_all_reduce", HybridAllReduce),
     )
     for name, kind in expected:
         value = getattr(request, name)

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 import torch
 from toolz import pipe
 
-from fsdp_core.config import CommHook, CPUOffload, MixedPrecision, ShardingStrategy, StepFlags
+from fsdp_core.config import CommHook, CPUOffload, HybridAllReduce, MixedPrecision, ShardingStrategy, StepFlags
 from fsdp_core.division import DivideFactors, Division, divide_factors
 from fsdp_core.layout import FlatParamLayout, ShardingSpec, unsharded_views
 from fsdp_core.ops import (
@@ -225,7 +225,8 @@ def _all_reduce_no_shard(d: Draft) -> Draft:
 
 def _replicate_all_reduce(d: Draft) -> Draft:
     """Hybrid: fold in a pending partial, then either defer the all-reduce (keeping a partial)
-    or all-reduce across replicas on the all-reduce stream and divide what remains."""
+    or all-reduce across replicas and divide what remains: on the all-reduce stream (``ASYNC``)
+    or right after the reduce-scatter on the post-backward stream (``SYNC``)."""
     r = d.request
     if _defers_all_reduce(r):
         if not r.flags.pending_partial:
@@ -237,7 +238,8 @@ def _replicate_all_reduce(d: Draft) -> Draft:
         partial = _partial(r)
         d2 = _emit(d, Accumulate(dst=d.grad, src=partial, stream=d.stream))
         d = _emit(d2, *_release(d2, partial))
-    d = _switch_stream(d, Stream.ALL_REDUCE)
+    if r.hybrid_all_reduce is HybridAllReduce.ASYNC:
+        d = _switch_stream(d, Stream.ALL_REDUCE)
     if r.comm_hook is not CommHook.NONE:
         # The hook averaged over the shard group; what remains is one reduction over the
         # replicate group, divided by the rule for a single collective of that size.
@@ -380,6 +382,7 @@ def plan_post_backward(
     division: Division = Division(),
     use_orig_params: bool = False,
     flags: StepFlags = StepFlags(),
+    hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC,
 ) -> Plan:
     """The gradient post-processing of one flat parameter for one backward, as a ``Plan``.
 
@@ -394,6 +397,7 @@ def plan_post_backward(
         division=division,
         use_orig_params=use_orig_params,
         flags=flags,
+        hybrid_all_reduce=hybrid_all_reduce,
     )
     return build_plan(request)
 

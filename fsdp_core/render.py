@@ -117,6 +117,8 @@ def _header(plan: Plan) -> list[str]:
         f"  comm hook: {r.comm_hook.value}; offload: {r.offload.offload_params}; use_orig_params: {r.use_orig_params}; "
         f"sync: {flags.sync_gradients}; accumulate: {flags.accumulate}; reshard in backward: {plan.should_free_in_backward}"
     )
+    if s.strategy.is_hybrid:
+        lines.append(f"  replicate all-reduce: {r.hybrid_all_reduce.value}")
     return lines
 
 
@@ -203,6 +205,7 @@ def plan_to_json(plan: Plan, problems: list[Problem] | None = None) -> dict[str,
         "compute_dtype": _dtype(r.compute_dtype),
         "reduce_dtype": _dtype(r.reduce_dtype),
         "grad_dtype": _dtype(r.grad_dtype),
+        "hybrid_all_reduce": r.hybrid_all_reduce.value,
         "should_free_in_backward": plan.should_free_in_backward,
         "destination": None if plan.destination is None else plan.destination.value,
         "factors": factors,

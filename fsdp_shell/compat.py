@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, MixedPrecision, ShardingStrategy
+from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, HybridAllReduce, MixedPrecision, ShardingStrategy
 
 __all__ = [
     "to_backward_prefetch",
     "to_cpu_offload",
     "to_division_policy",
+    "to_hybrid_all_reduce",
     "to_mixed_precision",
     "to_sharding_strategy",
 ]
@@ -86,3 +87,12 @@ def to_division_policy(value: object) -> DivisionPolicy:
                 return member
     accepted = ", ".join(repr(m.value) for m in DivisionPolicy)
     raise ValueError(f"division_policy: expected a DivisionPolicy or one of {accepted}, got {value!r}")
+
+
+def to_hybrid_all_reduce(value: object) -> HybridAllReduce:
+    """``HybridAllReduce`` from itself or its value (``"async"``, ``"sync"``)."""
+    if isinstance(value, HybridAllReduce):
+        return value
+    if isinstance(value, str):
+        return HybridAllReduce.parse(value)
+    raise TypeError(f"hybrid_all_reduce: expected 'async', 'sync' or a HybridAllReduce, got {value!r}")

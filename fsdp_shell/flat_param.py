@@ -196,6 +196,7 @@ class FlatParamHandle:
         shard_group: dist.ProcessGroup,
         device: torch.device,
         log: CollectiveLog,
+        gather_group: dist.ProcessGroup | None = None,
         gather_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.params = params
@@ -203,6 +204,7 @@ class FlatParamHandle:
         self.layout: FlatParamLayout = base_request.layout
         self.sharding: ShardingSpec = base_request.sharding
         self.shard_group = shard_group
+        self._gather_group = shard_group if gather_group is None else gather_group
         self.device = device
         self.use_orig_params = base_request.use_orig_params
         self.offload = base_request.offload.offload_params
@@ -295,11 +297,11 @@ class FlatParamHandle:
             elif self._gather_stream is not None:
                 self._gather_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self._gather_stream):
-                    work = all_gather_flat(self._gathered, src, self.shard_group, async_op=True)
+                    work = all_gather_flat(self._gathered, src, self._gather_group, async_op=True)
                 src.record_stream(self._gather_stream)
                 self._pending_gather = None if work is None else _keep_alive(work)
             else:
-                work = all_gather_flat(self._gathered, src, self.shard_group, async_op=True)
+                work = all_gather_flat(self._gathered, src, self._gather_group, async_op=True)
                 self._pending_gather = None if work is None else _keep_alive(work, src)
                 if self._gathered.nbytes > ASYNC_GATHER_MAX_BYTES:
                     self.finish_gather()

@@ -29,6 +29,7 @@ from fsdp_core import (
     Division,
     DivisionPolicy,
     FlatParamLayout,
+    HybridAllReduce,
     Group,
     MixedPrecision,
     PlanCache,
@@ -44,11 +45,12 @@ from fsdp_shell.compat import (
     to_backward_prefetch,
     to_cpu_offload,
     to_division_policy,
+    to_hybrid_all_reduce,
     to_mixed_precision,
     to_sharding_strategy,
 )
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
-from fsdp_shell.groups import ProcessGroups, resolve_groups
+from fsdp_shell.groups import ProcessGroups, duplicate_group, resolve_groups
 from fsdp_shell.unshard import UnshardRunner
 from fsdp_shell.collective_log import CollectiveLog, CollectiveRecord, Phase
 from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun
@@ -72,6 +74,7 @@ class _Tree:
     ctx: ExecContext
     param_names: dict[int, str]
     division: Division
+    hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC
     units: list[FullyShardedDataParallel] = field(default_factory=list)
     comm_hook: CommHookFn | None = None
     comm_hook_kind: CommHook = CommHook.NONE
@@ -125,10 +128,12 @@ def _device(device_id: object, groups: ProcessGroups) -> torch.device:
     raise TypeError(f"device_id: expected None, an int or a torch.device, got {device_id!r}")
 
 
-def _runtime(device: torch.device, log: CollectiveLog) -> Runtime:
-    """CUDA streams for the plan streams on a GPU; the host thread and the lane on the CPU."""
+def _runtime(device: torch.device, log: CollectiveLog, *, lane_issues_shard: bool) -> Runtime:
+    """CUDA streams for the plan streams on a GPU; the host thread and the lane on the CPU
+    (where the lane may also issue shard-group reductions when the all-gathers have a group of
+    their own: then a reduction queued behind a sync all-reduce does not block the host)."""
     if device.type != "cuda":
-        return CpuRuntime(log)
+        return CpuRuntime(log, lane_may_issue=frozenset({Group.SHARD}) if lane_issues_shard else frozenset())
     with torch.cuda.device(device):
         streams: dict[Stream, torch.cuda.Stream] = {Stream.COMPUTE: torch.cuda.current_stream()}
         for s in Stream:
@@ -173,6 +178,10 @@ class FullyShardedDataParallel(nn.Module):
       gathers on demand; at most one all-gather runs ahead of use.
     - ``device_mesh``: a 1-D (shard) or 2-D (replicate, shard) ``DeviceMesh`` instead of
       ``process_group``.
+    - ``hybrid_all_reduce`` (keyword only; ours): ``"async"`` (default) runs the hybrid replicate
+      all-reduce on its own stream, overlapping the next reduce-scatters and all-gathers (PyTorch
+      PR 106080); ``"sync"`` runs it after each reduce-scatter on the post-backward stream, as
+      FSDP1 did before, for comparison. Hybrid strategies only.
     - ``division_policy`` (keyword only; ours): where the average's division goes.
       ``"pre_post"`` (default, FSDP1): divide by a power of two near sqrt(N) before the
       reduction and by the rest after. ``"in_collective"`` (FSDP2): let the collective average
@@ -198,6 +207,7 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch: object = BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch: bool = False,
         division_policy: object = DivisionPolicy.PRE_POST,
+        hybrid_all_reduce: object = HybridAllReduce.ASYNC,
         _tree: _Tree | None = None,
     ) -> None:
         super().__init__()
@@ -208,7 +218,7 @@ class FullyShardedDataParallel(nn.Module):
         self._is_root = _tree is None
         if _tree is None:
             _tree = self._make_tree(module, process_group, sharding_strategy, cpu_offload, mixed_precision,
-                                    device_id, use_orig_params, device_mesh, division_policy)
+                                    device_id, use_orig_params, device_mesh, division_policy, hybrid_all_reduce)
             _tree.backward_prefetch = to_backward_prefetch(backward_prefetch)
             if not isinstance(forward_prefetch, bool):
                 raise TypeError(f"forward_prefetch: expected a bool, got {forward_prefetch!r}")
@@ -238,9 +248,13 @@ class FullyShardedDataParallel(nn.Module):
     def _make_tree(
         module: nn.Module, process_group: object, sharding_strategy: object, cpu_offload: object,
         mixed_precision: object, device_id: object, use_orig_params: object, device_mesh: object,
-        division_policy: object,
+        division_policy: object, hybrid_all_reduce: object,
     ) -> _Tree:
         strategy = to_sharding_strategy(sharding_strategy)
+        placement = to_hybrid_all_reduce(hybrid_all_reduce)
+        if placement is HybridAllReduce.SYNC and not strategy.is_hybrid:
+            raise ValueError(f"hybrid_all_reduce: 'sync' places the replicate all-reduce of hybrid strategies; "
+                             f"{strategy.name} has none (leave it 'async')")
         mp = to_mixed_precision(mixed_precision)
         offload = to_cpu_offload(cpu_offload)
         if not isinstance(use_orig_params, bool):
@@ -249,6 +263,9 @@ class FullyShardedDataParallel(nn.Module):
         device_type = probe.type if probe is not None else ("cuda" if isinstance(device_id, int) else "cpu")
         groups = resolve_groups(strategy, process_group, device_mesh, device_type)
         device = _device(device_id, groups)
+        own_gathers = placement is HybridAllReduce.SYNC and device.type != "cuda"
+        if own_gathers:
+            groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
         names: dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             if id(p) in names:
@@ -260,13 +277,14 @@ class FullyShardedDataParallel(nn.Module):
         log = CollectiveLog()
         ctx = ExecContext(
             groups={Group.SHARD: groups.shard, **({Group.REPLICATE: groups.replicate} if groups.replicate else {})},
-            runtime=_runtime(device, log),
+            runtime=_runtime(device, log, lane_issues_shard=own_gathers),
             log=log,
             gloo_reduce_scatter=groups.backend == "gloo",
         )
         tree = _Tree(strategy=strategy, mixed_precision=mp, offload=offload, use_orig_params=use_orig_params,
                      groups=groups, device=device, ctx=ctx, param_names=names,
-                     division=Division(policy=to_division_policy(division_policy), backend=groups.caps))
+                     division=Division(policy=to_division_policy(division_policy), backend=groups.caps),
+                     hybrid_all_reduce=placement)
         for mod_name, mod in module.named_modules():
             for buf_name in mod._buffers:
                 if mod._buffers[buf_name] is not None:
@@ -316,11 +334,12 @@ class FullyShardedDataParallel(nn.Module):
                                 replicate_size=tree.groups.replicate_size, rank=tree.groups.shard.rank())
         request = PlanRequest(layout=layout, sharding=sharding, mixed_precision=tree.mixed_precision,
                               offload=tree.offload, comm_hook=tree.comm_hook_kind, division=tree.division,
-                              use_orig_params=tree.use_orig_params)
+                              use_orig_params=tree.use_orig_params, hybrid_all_reduce=tree.hybrid_all_reduce)
         runtime = tree.ctx.runtime
         gather_stream = runtime.streams[Stream.ALL_GATHER] if isinstance(runtime, CudaRuntime) else None
         handle = FlatParamHandle(params, tensors, base_request=request, shard_group=tree.groups.shard,
-                                 device=tree.device, log=tree.ctx.log, gather_stream=gather_stream)
+                                 gather_group=tree.groups.gather_group, device=tree.device, log=tree.ctx.log,
+                                 gather_stream=gather_stream)
         if handle.flat_param.requires_grad:
             handle.flat_param.register_post_accumulate_grad_hook(self._post_backward)  # type: ignore[no-untyped-call]  # unannotated in torch
         return handle

@@ -10,15 +10,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_core import BackendCaps, ShardingStrategy
 
-__all__ = ["ProcessGroups", "resolve_groups"]
+__all__ = ["ProcessGroups", "duplicate_group", "resolve_groups"]
 
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """The shard group (FSDP's process group) and, for hybrid strategies, the replicate group."""
+    """The shard group (FSDP's process group), for hybrid strategies the replicate group, and
+    optionally a group of the shard group's ranks for the all-gathers alone."""
 
     shard: dist.ProcessGroup
     replicate: dist.ProcessGroup | None
+    gather: dist.ProcessGroup | None = None
+
+    @property
+    def gather_group(self) -> dist.ProcessGroup:
+        """Where the all-gathers run: their own group if there is one, else the shard group."""
+        return self.shard if self.gather is None else self.gather
 
     @property
     def shard_size(self) -> int:
@@ -36,6 +43,22 @@ class ProcessGroups:
     def caps(self) -> BackendCaps:
         name = self.backend
         return BackendCaps.for_backend(name) if name in ("nccl", "gloo") else BackendCaps()
+
+
+def duplicate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group of the same ranks as ``group``, so that two threads can each issue
+    collectives in their own order (every rank of the world must call this: ``new_group`` is
+    collective, so each rank creates every rank's duplicate, in one agreed order)."""
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    duplicate: dist.ProcessGroup | None = None
+    for ranks in sorted({tuple(r) for r in everyone if r is not None}):
+        created = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            duplicate = created
+    assert isinstance(duplicate, dist.ProcessGroup)
+    return duplicate
 
 
 def _hybrid_default(device_type: str) -> ProcessGroups:

@@ -174,10 +174,8 @@ class PlanRun:
         self._pending.update(b.name for b in buffers_of(op))
 
     def _compute(self, op: Op, work: Callable[[], object]) -> None:
-        deferred = self.ctx.runtime.defers and self._touches_pending(op)
-        if deferred:
+        if self.ctx.runtime.compute(op.stream, self._touches_pending(op), work):
             self._mark_pending(op)
-        self.ctx.runtime.compute(op.stream, deferred, work)
 
     def _collective(self, op: Op, group: Group, issue: Callable[[], Waiter | None]) -> None:
         pending = self.ctx.runtime.collective(op.stream, group, self._touches_pending(op), issue)

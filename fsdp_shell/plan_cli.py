@@ -28,6 +28,7 @@ from fsdp_core import (  # noqa: E402
     Division,
     DivisionPolicy,
     FlatParamLayout,
+    HybridAllReduce,
     MixedPrecision,
     Plan,
     Problem,
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulate", action="store_true", help="accumulate into an existing sharded gradient")
     p.add_argument("--pending-unsharded", action="store_true", help="an unsharded gradient from earlier no_sync backwards exists")
     p.add_argument("--no-all-reduce", action="store_true", help="hybrid: defer the replicate all-reduce (keep a partial)")
+    p.add_argument("--hybrid-all-reduce", default="async",
+                   help="hybrid: async (default; the all-reduce on its own stream, PyTorch PR 106080) or sync "
+                        "(after the reduce-scatter on the post-backward stream, FSDP1 before it)")
     p.add_argument("--pending-partial", action="store_true", help="hybrid: a partial reduction from earlier backwards exists")
     p.add_argument("--force-full-precision", action="store_true")
     p.add_argument("--division", default="pre_post", choices=[d.value for d in DivisionPolicy])
@@ -173,6 +177,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         comm_hook=CommHook.parse(str(args.comm_hook)),
         division=division,
         use_orig_params=args.use_orig_params,
+        hybrid_all_reduce=HybridAllReduce.parse(str(args.hybrid_all_reduce)),
         flags=flags,
     )
 

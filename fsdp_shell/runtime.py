@@ -57,6 +57,10 @@ class Lane:
         self._queue.put(work)
         return self._submitted
 
+    def done(self, ticket: int) -> bool:
+        """Whether the work with ``ticket`` has run (or been skipped after a failure)."""
+        return self._done >= ticket
+
     def wait_for(self, ticket: int) -> None:
         """Block until the work with ``ticket`` has run (or been skipped after a failure)."""
         with self._progress:
@@ -88,14 +92,12 @@ class Lane:
 class Runtime(Protocol):
     """Where a plan's ops run: CUDA streams, or the host thread and the lane."""
 
-    defers: bool
-    """Whether ops waiting for a collective are deferred (CPU) rather than enqueued (CUDA)."""
-
     def allocating(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         """Allocate under ``stream`` (so the caching allocator attributes the block to it)."""
 
-    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> None:
-        """Run element-wise ``work`` in ``stream``'s order; ``deferred``: after pending collectives."""
+    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> bool:
+        """Run element-wise ``work`` in ``stream``'s order (``deferred``: after pending
+        collectives); returns whether it was deferred (its operands pending afterwards)."""
 
     def collective(self, stream: Stream, group: Group, operands_pending: bool,
                    issue: Callable[[], Waiter | None]) -> bool:
@@ -121,7 +123,16 @@ class Runtime(Protocol):
 
 
 class CpuRuntime:
-    """Ops run on the host thread when ready, on the lane when they wait for a collective.
+    """Ops run on the host thread when ready, on the lane when they must wait.
+
+    An op goes to the lane when it touches an operand a collective has not produced yet, or
+    when its stream already has work on the lane (stream order, as on a CUDA stream: with
+    ``hybrid_all_reduce="sync"`` the next unit's reduce-scatter waits behind this unit's
+    all-reduce on the post-backward stream). A collective goes to the lane only if its group
+    is in ``lane_may_issue``: the replicate group always; the shard group only when the
+    all-gathers have a group of their own, so the host issues nothing else on it. Otherwise the
+    host first waits for the lane to catch up, then issues it itself. Either way each group's
+    collectives are issued one after another by one thread at a time, in program order.
 
     At most ``max_in_flight`` collectives issued by the host thread are outstanding: before
     issuing another, the hook waits for the oldest to land. The default, 0, lands each one
@@ -132,32 +143,45 @@ class CpuRuntime:
     with 0). The replicate all-reduce, the slow inter-node one, is issued by the lane and
     overlaps later backward work either way."""
 
-    defers = True
     LANE_GROUPS = frozenset({Group.REPLICATE})
     """Groups whose collectives the lane issues (all of them, always): the replicate
     all-reduce reads a reduce-scatter's result, so only the lane can issue it without blocking."""
 
-    def __init__(self, log: CollectiveLog, max_in_flight: int = 0) -> None:
+    def __init__(self, log: CollectiveLog, max_in_flight: int = 0,
+                 lane_may_issue: frozenset[Group] = LANE_GROUPS) -> None:
         self.lane = Lane(log)
         self.max_in_flight = max_in_flight
+        self.lane_may_issue = lane_may_issue | self.LANE_GROUPS
         self._in_flight: collections.deque[int] = collections.deque()
+        self._tail: dict[Stream | Group, int] = {}
+
+    def _busy(self, *keys: Stream | Group) -> bool:
+        return any(not self.lane.done(self._tail.get(k, 0)) for k in keys)
+
+    def _enqueue(self, work: Callable[[], object], *keys: Stream | Group) -> int:
+        ticket = self.lane.submit(work)
+        for key in keys:
+            self._tail[key] = ticket
+        return ticket
 
     def allocating(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
-    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> None:
-        if deferred:
-            self.lane.submit(work)
-        else:
-            work()
+    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> bool:
+        if deferred or self._busy(stream):
+            self._enqueue(work, stream)
+            return True
+        work()
+        return False
 
     def collective(self, stream: Stream, group: Group, operands_pending: bool,
                    issue: Callable[[], Waiter | None]) -> bool:
-        if group in self.LANE_GROUPS:
-            self.lane.submit(lambda: _issue_and_wait(issue))
+        behind = operands_pending or self._busy(stream, group)
+        if group in self.LANE_GROUPS or (behind and group in self.lane_may_issue):
+            self._enqueue(lambda: _issue_and_wait(issue), stream, group)
             return True
-        if operands_pending:
-            self.lane.drain()
+        if behind:
+            self.drain()
         while self._in_flight and len(self._in_flight) >= self.max_in_flight:
             self.lane.wait_for(self._in_flight.popleft())
         waiter = issue()
@@ -166,7 +190,7 @@ class CpuRuntime:
         if self.max_in_flight == 0:
             waiter()
             return False
-        self._in_flight.append(self.lane.submit(waiter))
+        self._in_flight.append(self._enqueue(waiter, stream, group))
         return True
 
     def wait_stream(self, stream: Stream, waits_for: Stream) -> None:
@@ -180,6 +204,7 @@ class CpuRuntime:
 
     def drain(self) -> None:
         self._in_flight.clear()
+        self._tail.clear()
         self.lane.drain()
 
     def after_host_copy(self, stream: Stream) -> None:
@@ -195,8 +220,6 @@ def _issue_and_wait(issue: Callable[[], Waiter | None]) -> None:
 class CudaRuntime:
     """Every op enqueued from the hook on its plan stream's CUDA stream."""
 
-    defers = False
-
     def __init__(self, streams: Mapping[Stream, torch.cuda.Stream]) -> None:
         self.streams = streams
         self._host_copies: list[torch.cuda.Event] = []
@@ -204,9 +227,10 @@ class CudaRuntime:
     def allocating(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self.streams[stream])
 
-    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> None:
+    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> bool:
         with torch.cuda.stream(self.streams[stream]):
             work()
+        return False
 
     def collective(self, stream: Stream, group: Group, operands_pending: bool,
                    issue: Callable[[], Waiter | None]) -> bool:

@@ -80,6 +80,7 @@ class Case:
     defer_all_reduce: bool = False
     steps: int = 3
     division: str = "pre_post"
+    hybrid_all_reduce: str = "async"
     divide_factor: float | None = None
     """Divide the summed gradient by this many ranks' worth (FSDP2's set_gradient_divide_factor)."""
 
@@ -167,7 +168,8 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     pg, mesh = _groups(case, world)
     model = FSDP(ours_module, process_group=pg, device_mesh=mesh, sharding_strategy=case.strategy,
                  auto_wrap_policy={Block}, mixed_precision=mp, cpu_offload=CPUOffload(offload_params=case.offload),
-                 use_orig_params=case.use_orig_params, division_policy=case.division)
+                 use_orig_params=case.use_orig_params, division_policy=case.division,
+                 hybrid_all_reduce=case.hybrid_all_reduce)
     ref_scale = 1.0
     if case.divide_factor is not None:
         model.set_gradient_divide_factor(case.divide_factor)

@@ -76,6 +76,9 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         "divide-factor-zero": _error(divide_factor(0.0)),
         "divide-factor-string": _error(divide_factor("2")),
         "divide-factor-with-hook": _error(hook_then_divide_factor),
+        "sync-all-reduce-flat": _error(lambda: FSDP(lin(), hybrid_all_reduce="sync")),
+        "all-reduce-placement-type": _error(lambda: FSDP(lin(), hybrid_all_reduce=3)),
+        "all-reduce-placement-name": _error(lambda: FSDP(lin(), hybrid_all_reduce="eventually")),
     }
 
 

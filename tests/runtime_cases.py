@@ -315,20 +315,22 @@ class Ordered:
 
 
 def collective_order(rank: int, world: int, arg: None) -> Ordered:
-    """HYBRID_SHARD (2 x 2) and FULL_SHARD over 4 ranks, flat and ``use_orig_params``, with
-    slow links: the same parameters as a single-process reference, and the collective logs."""
+    """HYBRID_SHARD (2 x 2; async and sync all-reduce) and FULL_SHARD over 4 ranks, flat and
+    ``use_orig_params``, with slow links: the same parameters as a single-process reference,
+    and the collective logs."""
     torch.set_num_threads(1)
     slow_links(rank)
     out = Ordered()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.FULL_SHARD):
-        for orig in (False, True):
-            name = f"{strategy.name}-orig{orig}"
-            model = FSDP(make_model(32, 5), sharding_strategy=strategy, auto_wrap_policy={Layer}, use_orig_params=orig,
-                         device_mesh=mesh if strategy.is_hybrid else None)
-            ref = make_model(32, 5)
-            out.ref_diff[name] = _train_against_reference(model, ref, rank, world)
-            out.logs[name] = model.collective_log()
+    configs = [(s, orig, "async") for s in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.FULL_SHARD)
+               for orig in (False, True)] + [(ShardingStrategy.HYBRID_SHARD, orig, "sync") for orig in (False, True)]
+    for strategy, orig, placement in configs:
+        name = f"{strategy.name}-orig{orig}" + ("-sync" if placement == "sync" else "")
+        model = FSDP(make_model(32, 5), sharding_strategy=strategy, auto_wrap_policy={Layer}, use_orig_params=orig,
+                     device_mesh=mesh if strategy.is_hybrid else None, hybrid_all_reduce=placement)
+        ref = make_model(32, 5)
+        out.ref_diff[name] = _train_against_reference(model, ref, rank, world)
+        out.logs[name] = model.collective_log()
     return out
 
 

@@ -106,6 +106,9 @@ def test_text_output_shows_plan_volume_verdict_and_timeline(capsys: pytest.Captu
         (["--comm-hook", "allreduce", "--divide-factor", "2"], "division.factor"),
         (["--rank", "9", "--world-size", "8"], "rank"),
         (["--divide-factor", "0"], "divide_factor"),
+        (["--hybrid-all-reduce", "sync"], "hybrid_all_reduce"),
+        (["--strategy", "HYBRID_SHARD", "--world-size", "4", "--shard-size", "2", "--hybrid-all-reduce", "later"],
+         "hybrid_all_reduce"),
         (["--param-dtype", "int8"], "dtype"),
         (["--numel", "0"], "numel"),
         (["--world-size", "0"], "world-size"),
@@ -219,3 +222,14 @@ def test_bad_backward_prefetch_exits_2_with_one_line(capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("fsdp-plan: error: backward_prefetch:")
     assert "BACKWARD_PRE, BACKWARD_POST" in err
+
+
+def test_sync_hybrid_all_reduce_stays_on_the_post_backward_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--strategy", "HYBRID_SHARD", "--world-size", "8", "--shard-size", "4"]
+    for placement, stream in (("async", "all_reduce"), ("sync", "post_backward")):
+        out = run_json(capsys, *base, "--hybrid-all-reduce", placement)
+        assert out["problems"] == [] and out["hybrid_all_reduce"] == placement
+        ops = out["ops"]
+        assert isinstance(ops, list)
+        (all_reduce,) = [op for op in ops if isinstance(op, dict) and op.get("op") == "all_reduce"]
+        assert all_reduce["stream"] == stream

@@ -28,6 +28,9 @@ EXPECTED = {
     "divide-factor-zero": ("ValueError", "divide_factor"),
     "divide-factor-string": ("TypeError", "factor"),
     "divide-factor-with-hook": ("ValueError", "communication hook"),
+    "sync-all-reduce-flat": ("ValueError", "hybrid_all_reduce"),
+    "all-reduce-placement-type": ("TypeError", "hybrid_all_reduce"),
+    "all-reduce-placement-name": ("ValueError", "hybrid_all_reduce"),
 }
 
 

@@ -59,6 +59,17 @@ HYBRID_CASES: tuple[Case, ...] = (
     Case(name="HYBRID-offload-orig", strategy=HYBRID, offload=True, use_orig_params=True, fsdp1=False),
     Case(name="HYBRID-in-collective-divide-factor", strategy=HYBRID, division="in_collective", divide_factor=8.0,
          fsdp1=False),
+    *(Case(name=f"{s.name}-sync-orig{o}", strategy=s, use_orig_params=o, hybrid_all_reduce="sync")
+      for s in (HYBRID, HYBRID2) for o in (False, True)),
+    Case(name="HYBRID-sync-bf16", strategy=HYBRID, mp="bf16", hybrid_all_reduce="sync"),
+    Case(name="HYBRID-sync-no_sync", strategy=HYBRID, no_sync=1, hybrid_all_reduce="sync"),
+    Case(name="HYBRID2-sync-accumulate-clip", strategy=HYBRID2, accumulate=2, clip=0.05, hybrid_all_reduce="sync"),
+    Case(name="HYBRID-sync-deferred-all-reduce", strategy=HYBRID, accumulate=3, defer_all_reduce=True, fsdp1=False,
+         hybrid_all_reduce="sync"),
+    Case(name="HYBRID-sync-hook-reduce_scatter", strategy=HYBRID, hook="reduce_scatter", fsdp1=False,
+         hybrid_all_reduce="sync"),
+    Case(name="HYBRID-sync-offload-orig", strategy=HYBRID, offload=True, use_orig_params=True, fsdp1=False,
+         hybrid_all_reduce="sync"),
 )
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from fsdp_core import (
+    HybridAllReduce,
     Accumulate,
     AllReduce,
     Buffer,
@@ -110,6 +112,35 @@ def test_hybrid_shard_32_as_4_by_8_all_reduces_126_on_the_all_reduce_stream() ->
     rs, ar = comm_volume(plan)
     assert (ar.collective, ar.group, ar.group_size, ar.input_numel) == ("all_reduce", Group.REPLICATE, 4, 126)
     assert ar.bytes == 2 * 3 * 32 * 4  # ceil(126 / 4) = 32-element chunks
+
+
+def test_sync_hybrid_all_reduce_follows_the_reduce_scatter_on_the_post_backward_stream() -> None:
+    """FSDP1 before PyTorch PR 106080: the same ops, but the all-reduce stays on post_backward
+    (so the next unit's reduce-scatter queues behind it) and only that stream is waited for."""
+    sharding = ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 32, 8)
+    plan = plan_post_backward(one_param(1001), sharding, hybrid_all_reduce=HybridAllReduce.SYNC)
+    grad, padded, shard = buf("grad", 1001), buf("grad.padded", 1008), buf("shard", 126)
+    assert plan.ops == (
+        FreeUnshardedParam(stream=C),
+        Input(buffer=grad, role=InputRole.GRAD, stream=C),
+        WaitStream(stream=PB, waits_for=C),
+        Pad(src=grad, dst=padded, stream=PB),
+        RecordStream(buffer=grad, stream=PB),
+        Free(buffer=grad, stream=C),
+        Divide(buffer=padded, factor=8.0, stream=PB),
+        ReduceScatter(src=padded, dst=shard, group=Group.SHARD, reduce_op=SUM, stream=PB),
+        Free(buffer=padded, stream=PB),
+        AllReduce(buffer=shard, group=Group.REPLICATE, reduce_op=SUM, stream=PB),
+        Divide(buffer=shard, factor=4.0, stream=PB),
+        EndOfBackwardWait(stream=C, waits_for=PB),
+        HandOff(buffer=shard, destination=Destination.SHARDED_GRAD, stream=C),
+    )
+    assert check_plan(plan) == []
+    same = [dataclasses.replace(v, op_index=0) for v in comm_volume(plan_post_backward(one_param(1001), sharding))]
+    assert [dataclasses.replace(v, op_index=0) for v in comm_volume(plan)] == same
+    with pytest.raises(ValueError, match="hybrid_all_reduce: only hybrid strategies"):
+        plan_post_backward(one_param(8), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 4),
+                           hybrid_all_reduce=HybridAllReduce.SYNC)
 
 
 def test_no_shard_is_one_all_reduce_without_padding() -> None:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from fsdp_core import (
+    HybridAllReduce,
     AllReduce,
     BackendCaps,
     CommHook,
@@ -177,6 +178,7 @@ def requests(draw: st.DrawFn) -> PlanRequest:
         f["requires_all_reduce"] = True
         f["pending_partial"] = False
     use_orig_params = draw(st.booleans())
+    placement = draw(st.sampled_from(HybridAllReduce)) if strategy.is_hybrid else HybridAllReduce.ASYNC
     request = PlanRequest(
         layout=layout,
         sharding=sharding,
@@ -186,6 +188,7 @@ def requests(draw: st.DrawFn) -> PlanRequest:
         division=division,
         use_orig_params=use_orig_params,
         flags=StepFlags(**f),
+        hybrid_all_reduce=placement,
     )
     assume(not hits_hybrid_hook_premul_bug(request))
     return request

@@ -80,7 +80,8 @@ def ordered() -> list[Ordered]:
     return run_world(4, collective_order, None, timeout=300)
 
 
-CASES = ["HYBRID_SHARD-origFalse", "HYBRID_SHARD-origTrue", "FULL_SHARD-origFalse", "FULL_SHARD-origTrue"]
+CASES = ["HYBRID_SHARD-origFalse", "HYBRID_SHARD-origTrue", "FULL_SHARD-origFalse", "FULL_SHARD-origTrue",
+         "HYBRID_SHARD-origFalse-sync", "HYBRID_SHARD-origTrue-sync"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -91,11 +92,23 @@ def test_slow_links_train_like_the_reference(ordered: list[Ordered], case: str) 
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_rank_issues_the_same_collectives_in_the_same_order(ordered: list[Ordered], case: str) -> None:
-    for group in Group:
-        first = [(r.op, r.dtype, r.numel, r.phase) for r in ordered[0].logs[case] if r.group is group]
-        for rank, o in enumerate(ordered[1:], start=1):
-            mine = [(r.op, r.dtype, r.numel, r.phase) for r in o.logs[case] if r.group is group]
-            assert mine == first, f"rank {rank} issued a different {group.value}-group sequence"
+    sync = case.endswith("sync")
+
+    def sequences(o: Ordered) -> dict[str, list[tuple[object, ...]]]:
+        # With a sync all-reduce on CPU the all-gathers have a process group of their own, and
+        # whether the host or the lane issues a reduce-scatter depends on timing (its order
+        # does not): then compare the gathers and the reductions as the separate groups they
+        # are, without where each was issued.
+        out: dict[str, list[tuple[object, ...]]] = {}
+        for r in o.logs[case]:
+            channel = "gather" if sync and r.op == "all_gather" else r.group.value
+            out.setdefault(channel, []).append((r.op, r.dtype, r.numel) + (() if sync else (r.phase,)))
+        return out
+
+    first = sequences(ordered[0])
+    for rank, o in enumerate(ordered[1:], start=1):
+        for channel, issued in sequences(o).items():
+            assert issued == first[channel], f"rank {rank} issued a different {channel}-group sequence"
     assert any(r.group is Group.REPLICATE for r in ordered[0].logs[case]) == case.startswith("HYBRID")
 
 
@@ -105,7 +118,7 @@ def test_reductions_are_issued_inside_the_hooks(ordered: list[Ordered], case: st
         if r.op == "all_gather":
             assert r.phase in (Phase.FORWARD, Phase.PRE_BACKWARD, Phase.POST_BACKWARD), r
         elif r.group is Group.SHARD:
-            assert r.phase is Phase.POST_BACKWARD, r
+            assert r.phase is Phase.POST_BACKWARD or (case.endswith("sync") and r.phase is Phase.LANE), r
         else:
             assert r.phase is Phase.LANE, r
 

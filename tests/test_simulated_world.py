@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from fsdp_core import (
+    HybridAllReduce,
     AllReduce,
     BackendCaps,
     CommHook,
@@ -860,3 +861,23 @@ def test_inputs_are_not_modified() -> None:
     before = [t.clone() for t in grads + pending]
     run(request_for(mesh, flags=StepFlags(pending_unsharded=True)), grads, pending_unsharded=pending)
     assert all(torch.equal(x, y) for x, y in zip(grads + pending, before))
+
+
+@pytest.mark.parametrize("mesh", HYBRID_MESHES, ids=str)
+@pytest.mark.parametrize("flags", [StepFlags(), StepFlags(accumulate=True), StepFlags(pending_partial=True)], ids=str)
+def test_sync_and_async_replicate_all_reduce_give_the_same_numbers(mesh: Mesh, flags: StepFlags) -> None:
+    """``hybrid_all_reduce`` moves the all-reduce to another stream and nothing else: every rank
+    receives bit-identical gradients either way, and the sync plan keeps it on post_backward."""
+    grads = make_grads(mesh.world, BIG.total, F32, seed=31)
+    shard = shard_numel(mesh, BIG.total)
+    existing = make_grads(mesh.world, shard, F32, seed=32) if flags.accumulate else None
+    partials = make_grads(mesh.world, shard, F32, seed=33) if flags.pending_partial else None
+    results = {}
+    for placement in HybridAllReduce:
+        request = replace(request_for(mesh, BIG, flags=flags), hybrid_all_reduce=placement)
+        results[placement] = run(request, grads, sharded_grads=existing, partials=partials)
+        streams = {op.stream for op in results[placement].ranks[0].executed
+                   if isinstance(op, AllReduce) and op.group is Group.REPLICATE}
+        assert streams == {Stream.POST_BACKWARD if placement is HybridAllReduce.SYNC else Stream.ALL_REDUCE}
+    for a, b in zip(results[HybridAllReduce.ASYNC].ranks, results[HybridAllReduce.SYNC].ranks):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
