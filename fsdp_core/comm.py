@@ -12,10 +12,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from typing_extensions import assert_never
 
 from fsdp_core.config import CommHook
 from fsdp_core.layout import ceil_div
-from fsdp_core.ops import AllReduce, CommHookCall, Group, Op, ReduceScatter, op_name
+from fsdp_core.ops import (
+    Accumulate,
+    AllReduce,
+    Cast,
+    CommHookCall,
+    Divide,
+    EndOfBackwardWait,
+    Free,
+    FreeUnshardedParam,
+    GradViews,
+    Group,
+    HandOff,
+    Input,
+    Offload,
+    Op,
+    Pad,
+    RecordStream,
+    ReduceScatter,
+    WaitStream,
+    op_name,
+)
 from fsdp_core.plan import Plan, PlanRequest
 
 __all__ = ["CommVolume", "all_gather_volume", "comm_volume", "ring_bytes"]
@@ -84,31 +105,34 @@ def all_gather_volume(request: PlanRequest) -> CommVolume | None:
 
 def comm_volume(plan: Plan) -> tuple[CommVolume, ...]:
     """Every collective ``plan`` issues, in order, with its per-rank volume."""
-    sharding = plan.request.sharding
-    sizes = {Group.SHARD: sharding.shard_size, Group.REPLICATE: sharding.replicate_size}
+    request = plan.request
     return tuple(
-        v for i, op in enumerate(plan.ops) if (v := _volume(i, op, sizes)) is not None
+        v for i, op in enumerate(plan.ops) if (v := _volume(i, op, request)) is not None
     )
 
 
-def _volume(index: int, op: Op, sizes: dict[Group, int]) -> CommVolume | None:
+def _volume(index: int, op: Op, request: PlanRequest) -> CommVolume | None:
+    """The collective ``op`` issues, or None for an op that communicates nothing."""
     match op:
         case ReduceScatter():
-            g = sizes[op.group]
+            g = request.group_size(op.group)
             return CommVolume(op_index=index, collective="reduce_scatter", op=op_name(op), group=op.group,
                               group_size=g, input_numel=op.src.numel, output_numel=op.dst.numel,
                               dtype=op.src.dtype, bytes=ring_bytes("reduce_scatter", op.src.numel, g, op.src.dtype))
         case AllReduce():
-            g = sizes[op.group]
+            g = request.group_size(op.group)
             return CommVolume(op_index=index, collective="all_reduce", op=op_name(op), group=op.group,
                               group_size=g, input_numel=op.buffer.numel, output_numel=op.buffer.numel,
                               dtype=op.buffer.dtype, bytes=ring_bytes("all_reduce", op.buffer.numel, g, op.buffer.dtype))
         case CommHookCall():
-            g = sizes[op.group]
+            g = request.group_size(op.group)
             in_place = op.src == op.dst or op.hook is CommHook.ALLREDUCE
             collective = "all_reduce" if in_place else "reduce_scatter"
             return CommVolume(op_index=index, collective=collective, op=op_name(op), group=op.group,
                               group_size=g, input_numel=op.src.numel, output_numel=op.dst.numel,
                               dtype=op.wire_dtype, bytes=ring_bytes(collective, op.src.numel, g, op.wire_dtype))
-        case _:
+        case (Input() | WaitStream() | RecordStream() | Free() | FreeUnshardedParam() | Cast() | Pad()
+              | Divide() | Accumulate() | Offload() | GradViews() | EndOfBackwardWait() | HandOff()):
             return None
+        case _:
+            assert_never(op)

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 
 import torch
+from typing_extensions import assert_never
 
 __all__ = [
     "BackwardPrefetch",
@@ -207,11 +208,15 @@ class CommHook(enum.Enum):
     @property
     def wire_dtype(self) -> torch.dtype | None:
         """The dtype a compress hook communicates in, None for the others."""
-        if self is CommHook.FP16_COMPRESS:
-            return torch.float16
-        if self is CommHook.BF16_COMPRESS:
-            return torch.bfloat16
-        return None
+        match self:
+            case CommHook.FP16_COMPRESS:
+                return torch.float16
+            case CommHook.BF16_COMPRESS:
+                return torch.bfloat16
+            case CommHook.NONE | CommHook.ALLREDUCE | CommHook.REDUCE_SCATTER | CommHook.USER:
+                return None
+            case _:
+                assert_never(self)
 
     @property
     def is_low_precision(self) -> bool:

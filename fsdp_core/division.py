@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from typing_extensions import assert_never
 
 __all__ = [
     "BackendCaps",
@@ -49,14 +50,22 @@ class ReduceOpSpec:
 
     def scale(self, group_size: int) -> float:
         """The factor the collective multiplies the sum by, over a group of ``group_size``."""
-        if self.kind is ReduceKind.AVG:
-            return 1.0 / group_size
-        return self.premul
+        match self.kind:
+            case ReduceKind.AVG:
+                return 1.0 / group_size
+            case ReduceKind.SUM | ReduceKind.PREMUL_SUM:
+                return self.premul
+            case _:
+                assert_never(self.kind)
 
     def __str__(self) -> str:
-        if self.kind is ReduceKind.PREMUL_SUM:
-            return f"premul_sum({self.premul:.6g})"
-        return str(self.kind.value)
+        match self.kind:
+            case ReduceKind.PREMUL_SUM:
+                return f"premul_sum({self.premul:.6g})"
+            case ReduceKind.SUM | ReduceKind.AVG:
+                return str(self.kind.value)
+            case _:
+                assert_never(self.kind)
 
 
 SUM = ReduceOpSpec()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
+from typing_extensions import assert_never
 
 from fsdp_core.config import CommHook
 from fsdp_core.division import ReduceOpSpec
@@ -88,7 +89,13 @@ class Buffer:
     device: Device = Device.DEVICE
 
     def __str__(self) -> str:
-        where = "" if self.device is Device.DEVICE else "@host"
+        match self.device:
+            case Device.DEVICE:
+                where = ""
+            case Device.HOST:
+                where = "@host"
+            case _:
+                assert_never(self.device)
         return f"{self.name}[{self.numel}:{_short(self.dtype)}{where}]"
 
     @property
@@ -301,31 +308,44 @@ Op = Union[
     EndOfBackwardWait,
     HandOff,
 ]
-"""The closed union of plan ops; interpreters ``match`` on it and end with ``assert_never``."""
-
+"""The closed union of plan ops. Every consumer ``match``es on it and ends with
+``case _: assert_never(op)``, so mypy rejects a new op kind wherever it is not handled."""
 
 
 def op_name(op: Op) -> str:
     """The snake_case name of an op's kind (``reduce_scatter``, ``all_reduce``...)."""
-    return _OP_NAMES[type(op)]
-
-
-_OP_NAMES: dict[type, str] = {
-    Input: "input",
-    WaitStream: "wait_stream",
-    RecordStream: "record_stream",
-    Free: "free",
-    FreeUnshardedParam: "free_unsharded_param",
-    Cast: "cast",
-    Pad: "pad",
-    Divide: "divide",
-    ReduceScatter: "reduce_scatter",
-    AllReduce: "all_reduce",
-    CommHookCall: "comm_hook",
-    Accumulate: "accumulate",
-    Offload: "offload",
-    GradViews: "grad_views",
-    EndOfBackwardWait: "end_of_backward_wait",
-    HandOff: "hand_off",
-}
-
+    match op:
+        case Input():
+            return "input"
+        case WaitStream():
+            return "wait_stream"
+        case RecordStream():
+            return "record_stream"
+        case Free():
+            return "free"
+        case FreeUnshardedParam():
+            return "free_unsharded_param"
+        case Cast():
+            return "cast"
+        case Pad():
+            return "pad"
+        case Divide():
+            return "divide"
+        case ReduceScatter():
+            return "reduce_scatter"
+        case AllReduce():
+            return "all_reduce"
+        case CommHookCall():
+            return "comm_hook"
+        case Accumulate():
+            return "accumulate"
+        case Offload():
+            return "offload"
+        case GradViews():
+            return "grad_views"
+        case EndOfBackwardWait():
+            return "end_of_backward_wait"
+        case HandOff():
+            return "hand_off"
+        case _:
+            assert_never(op)

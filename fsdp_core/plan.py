@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from typing_extensions import assert_never
 
 from fsdp_core.config import (
     RESHARD_AFTER_FORWARD_STRATEGIES,
@@ -22,7 +23,29 @@ from fsdp_core.config import (
 from fsdp_core.division import DivideFactors, Division
 from fsdp_core.layout import FlatParamLayout, ShardingSpec
 from fsdp_core.carry import carried_role
-from fsdp_core.ops import Buffer, Destination, EndOfBackwardWait, HandOff, Input, InputRole, Op
+from fsdp_core.ops import (
+    Accumulate,
+    AllReduce,
+    Buffer,
+    Cast,
+    CommHookCall,
+    Destination,
+    Divide,
+    EndOfBackwardWait,
+    Free,
+    FreeUnshardedParam,
+    GradViews,
+    Group,
+    HandOff,
+    Input,
+    InputRole,
+    Offload,
+    Op,
+    Pad,
+    RecordStream,
+    ReduceScatter,
+    WaitStream,
+)
 
 __all__ = ["Plan", "PlanRequest"]
 
@@ -99,6 +122,17 @@ class PlanRequest:
         if self.mixed_precision.keep_low_precision_grads and not self.flags.force_full_precision:
             return self.reduce_dtype
         return self.layout.dtype
+
+    def group_size(self, group: Group) -> int:
+        """How many ranks ``group`` has: the shard size for ``SHARD`` (the whole data-parallel
+        group for ``NO_SHARD``), the replicate size for ``REPLICATE``."""
+        match group:
+            case Group.SHARD:
+                return self.sharding.shard_size
+            case Group.REPLICATE:
+                return self.sharding.replicate_size
+            case _:
+                assert_never(group)
 
     @property
     def should_free_in_backward(self) -> bool:
@@ -191,10 +225,14 @@ class Plan:
 
 
 def buffers_of(op: Op) -> tuple[Buffer, ...]:
-    """The buffers an op reads or writes."""
-    out: list[Buffer] = []
-    for field in ("buffer", "src", "dst"):
-        value = getattr(op, field, None)
-        if isinstance(value, Buffer) and value not in out:
-            out.append(value)
-    return tuple(out)
+    """The buffers an op reads or writes: its ``buffer``, or its ``src`` then its ``dst`` (once
+    when they are the same buffer); none for waits and the reshard."""
+    match op:
+        case Input() | RecordStream() | Free() | Divide() | AllReduce() | GradViews() | HandOff():
+            return (op.buffer,)
+        case Cast() | Pad() | ReduceScatter() | CommHookCall() | Accumulate() | Offload():
+            return (op.src,) if op.src == op.dst else (op.src, op.dst)
+        case WaitStream() | EndOfBackwardWait() | FreeUnshardedParam():
+            return ()
+        case _:
+            assert_never(op)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Callable, Mapping
 
 import torch
@@ -98,13 +99,14 @@ def _replace_grad(d: Draft, op: Op, new: Buffer) -> Draft:
     return _emit(d2, *_release(d2, d.grad), grad=new)
 
 
+_DTYPE_TAGS: Mapping[torch.dtype, str] = MappingProxyType(
+    {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+)
+"""The suffix of a gradient buffer cast to each of ``FLOAT_DTYPES`` (``grad.bf16``)."""
+
+
 def _dtype_tag(dtype: torch.dtype) -> str:
-    return {
-        torch.float32: "fp32",
-        torch.float16: "fp16",
-        torch.bfloat16: "bf16",
-        torch.float64: "fp64",
-    }[dtype]
+    return _DTYPE_TAGS[dtype]
 
 
 def _switch_stream(d: Draft, stream: Stream) -> Draft:
@@ -348,7 +350,7 @@ the first wait), then the final gradient is exposed and handed over on compute."
 _SYNC_PROLOGUE: tuple[Stage, ...] = (_inputs, _to_post_backward_stream, _merge_pending_unsharded, _cast_to_reduce_dtype)
 _FINALIZE: tuple[Stage, ...] = (_cast_to_grad_dtype, _accumulate_or_offload, *_END_OF_BACKWARD)
 
-PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = {
+PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = MappingProxyType({
     ShardingStrategy.NO_SHARD: (*_SYNC_PROLOGUE, _all_reduce_no_shard, *_FINALIZE),
     ShardingStrategy.FULL_SHARD: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
     ShardingStrategy.SHARD_GRAD_OP: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
@@ -356,8 +358,8 @@ PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = {
     ShardingStrategy.HYBRID_SHARD_ZERO2: (
         *_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _replicate_all_reduce, *_FINALIZE,
     ),
-}
-"""Strategy -> the stages of its plan when gradients are synchronised."""
+})
+"""Strategy -> the stages of its plan when gradients are synchronised. Read-only."""
 
 NO_SYNC_STAGES: tuple[Stage, ...] = (_inputs, _merge_pending_unsharded, *_END_OF_BACKWARD)
 """The stages inside ``no_sync()``: accumulate locally, communicate nothing."""

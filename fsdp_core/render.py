@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Union
 
 import torch
+from typing_extensions import assert_never
 
 from fsdp_core.comm import comm_volume
 from fsdp_core.ops import (
@@ -93,6 +94,8 @@ def describe_op(op: Op) -> str:
             return f"orig .grad views of {op.buffer.name}: {shown}{more}" if op.views else f"no parameter in {op.buffer.name}"
         case HandOff():
             return f"{op.buffer} -> {op.destination.value}"
+        case _:
+            assert_never(op)
 
 
 def _header(plan: Plan) -> list[str]:
@@ -174,6 +177,8 @@ def _op_json(op: Op) -> dict[str, JsonValue]:
             out.update(buffer=_buffer_json(op.buffer), views=views)
         case HandOff():
             out.update(buffer=_buffer_json(op.buffer), destination=op.destination.value)
+        case _:
+            assert_never(op)
     return out
 
 

@@ -12,17 +12,30 @@ comparing plans, not a measurement.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from typing_extensions import assert_never
 
 from fsdp_core.comm import all_gather_volume, comm_volume
 from fsdp_core.ops import (
     Accumulate,
+    AllReduce,
     Cast,
+    CommHookCall,
     Divide,
     EndOfBackwardWait,
+    Free,
+    FreeUnshardedParam,
+    GradViews,
     Group,
+    HandOff,
+    Input,
     Offload,
     Op,
     Pad,
+    RecordStream,
+    ReduceScatter,
     Stream,
     WaitStream,
     op_name,
@@ -72,7 +85,20 @@ class TimelineEntry:
 _BACKWARD_EVENTS = (UnshardEvent.PRE_BACKWARD, UnshardEvent.POST_BACKWARD)
 
 
+def _link_bandwidth(cost: CostModel, group: Group) -> float:
+    """The per-rank bus bandwidth of ``group``'s link under ``cost``."""
+    match group:
+        case Group.SHARD:
+            return cost.shard_link_bandwidth
+        case Group.REPLICATE:
+            return cost.replicate_link_bandwidth
+        case _:
+            assert_never(group)
+
+
 def _elementwise_bytes(op: Op) -> int:
+    """Device memory an element-wise op reads and writes; 0 for ops that move no elements on the
+    device (bookkeeping, waits, and the collectives and offloads, which are costed by their link)."""
     match op:
         case Cast() | Pad():
             return op.src.nbytes + op.dst.nbytes
@@ -80,8 +106,11 @@ def _elementwise_bytes(op: Op) -> int:
             return 2 * op.buffer.nbytes
         case Accumulate():
             return op.src.nbytes + 2 * op.dst.nbytes
-        case _:
+        case (Input() | WaitStream() | RecordStream() | Free() | FreeUnshardedParam() | ReduceScatter()
+              | AllReduce() | CommHookCall() | Offload() | GradViews() | EndOfBackwardWait() | HandOff()):
             return 0
+        case _:
+            assert_never(op)
 
 
 def simulate_timeline(
@@ -134,19 +163,22 @@ def simulate_timeline(
     def run(unit: int, index: int, op: Op) -> None:
         stream = op.stream
         start = now[stream]
-        if isinstance(op, (WaitStream, EndOfBackwardWait)):
-            start = max(start, now[op.waits_for])
-            duration = 0.0
-        elif index in volumes:
-            v = volumes[index]
-            link = cost.shard_link_bandwidth if v.group is Group.SHARD else cost.replicate_link_bandwidth
-            duration = cost.collective_latency + v.bytes / link
-            start = max(start, busy[v.group])
-            busy[v.group] = start + duration
-        elif isinstance(op, Offload):
-            duration = op.src.nbytes / cost.host_bandwidth
-        else:
-            duration = _elementwise_bytes(op) / cost.device_bandwidth
+        match op:
+            case WaitStream() | EndOfBackwardWait():
+                start = max(start, now[op.waits_for])
+                duration = 0.0
+            case ReduceScatter() | AllReduce() | CommHookCall():
+                v = volumes[index]
+                duration = cost.collective_latency + v.bytes / _link_bandwidth(cost, v.group)
+                start = max(start, busy[v.group])
+                busy[v.group] = start + duration
+            case Offload():
+                duration = op.src.nbytes / cost.host_bandwidth
+            case (Input() | RecordStream() | Free() | FreeUnshardedParam() | Cast() | Pad() | Divide() | Accumulate()
+                  | GradViews() | HandOff()):
+                duration = _elementwise_bytes(op) / cost.device_bandwidth
+            case _:
+                assert_never(op)
         now[stream] = start + duration
         out.append(TimelineEntry(unit=unit, op_index=index, op=op_name(op), stream=stream,
                                  start=start, end=start + duration))
@@ -166,6 +198,8 @@ def simulate_timeline(
                     now[Stream.COMPUTE] = max(now[Stream.COMPUTE], gathered.get(action.unit, 0.0))
                 case Gather() | Reshard():
                     pass
+                case _:
+                    assert_never(action)
 
     for event, unit in hooks:
         if event is UnshardEvent.PRE_BACKWARD:
@@ -184,14 +218,18 @@ def simulate_timeline(
     return tuple(out)
 
 
+_MARKS: Mapping[str, str] = MappingProxyType(
+    {"reduce_scatter": "R", "all_reduce": "A", "comm_hook": "H", "offload": "O", "backward": "b", "all_gather": "G"}
+)
+"""The chart's letter for an entry's ``op``; every other entry that takes time is drawn ``=``."""
+
+
 def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
     """An ASCII chart of ``entries``: one row per stream (``all_gather`` only when it has
     entries), then the ops that take time."""
     total = max((e.end for e in entries), default=0.0)
     units = {e.unit for e in entries}
     scale = width / total if total > 0 else 0.0
-    marks = {"reduce_scatter": "R", "all_reduce": "A", "comm_hook": "H", "offload": "O", "backward": "b",
-             "all_gather": "G"}
     gathers = any(e.stream is Stream.ALL_GATHER for e in entries)
     rows = []
     for stream in Stream:
@@ -204,7 +242,7 @@ def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
             lo = min(width - 1, int(e.start * scale))
             hi = max(lo + 1, min(width, int(round(e.end * scale))))
             for k in range(lo, hi):
-                cells[k] = marks.get(e.op, "=")
+                cells[k] = _MARKS.get(e.op, "=")
         rows.append(f"  {stream.value:<14}|{''.join(cells)}|")
     legend = "b backward, " + ("G all-gather, " if gathers else "")
     lines = [f"simulated timeline: {total * 1e3:.3f} ms ({legend}R reduce-scatter, A all-reduce, "

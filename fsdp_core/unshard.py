@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Union
 
+from typing_extensions import assert_never
+
 from fsdp_core.config import BackwardPrefetch
 
 __all__ = [
@@ -88,14 +90,21 @@ class Reshard:
 
 
 UnshardAction = Union[Gather, AwaitGather, Reshard]
-"""The closed union of schedule actions; executors ``match`` on it and end with ``assert_never``."""
-
-_ACTION_NAMES: dict[type, str] = {Gather: "gather", AwaitGather: "await", Reshard: "reshard"}
+"""The closed union of schedule actions. Every consumer ``match``es on it and ends with
+``case _: assert_never(action)``."""
 
 
 def action_name(action: UnshardAction) -> str:
     """``gather``, ``await`` or ``reshard``."""
-    return _ACTION_NAMES[type(action)]
+    match action:
+        case Gather():
+            return "gather"
+        case AwaitGather():
+            return "await"
+        case Reshard():
+            return "reshard"
+        case _:
+            assert_never(action)
 
 
 class HookEvent(NamedTuple):
@@ -215,6 +224,8 @@ class UnshardRequest:
                 return (Reshard(unit=unit),) if self.reshard_after_forward and unit != self.root else ()
             case UnshardEvent.POST_BACKWARD:
                 return ()
+            case _:
+                assert_never(event)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -323,6 +334,8 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
                 return own + prefetch(pre_backward_next, unit)
             case UnshardEvent.POST_BACKWARD:
                 return prefetch(post_backward_next, unit)
+            case _:
+                assert_never(event)
 
     steps = tuple(UnshardStep(event=e.event, unit=e.unit, actions=actions(e.event, e.unit)) for e in r.events)
     return UnshardSchedule(request=r, steps=steps)

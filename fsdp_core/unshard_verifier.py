@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from typing_extensions import assert_never
 
 from fsdp_core.unshard import (
     AwaitGather,
@@ -35,7 +39,10 @@ class _Held(enum.Enum):
 
 
 _PRE = (UnshardEvent.PRE_FORWARD, UnshardEvent.PRE_BACKWARD)
-_USE = {UnshardEvent.PRE_FORWARD: "forward", UnshardEvent.PRE_BACKWARD: "backward"}
+_USE: Mapping[UnshardEvent, str] = MappingProxyType(
+    {UnshardEvent.PRE_FORWARD: "forward", UnshardEvent.PRE_BACKWARD: "backward"}
+)
+"""What a pre-hook's unit starts running."""
 
 
 @dataclass(slots=True)
@@ -108,6 +115,8 @@ class _Sim:
                     self.report(Rule.UNUSED_GATHER, f"reshards unit {u} before its all-gather was used")
                 self.held[u] = _Held.SHARDED
                 self.ahead.discard(u)
+            case _:
+                assert_never(action)
 
     def check_depth(self) -> None:
         assert self.hook is not None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from typing_extensions import assert_never
 
 from fsdp_core.config import ShardingStrategy
 from fsdp_core.layout import ShardView, unsharded_views
@@ -178,17 +179,32 @@ def _expect(r: PlanRequest) -> _Expect:
     inputs = {InputRole.GRAD}
     if f.pending_unsharded:
         inputs.add(InputRole.PENDING_UNSHARDED)
-    if dest is Destination.UNSHARDED_GRAD:
-        views = unsharded_views(r.layout) if r.use_orig_params else None
-        return _Expect(dest, Counter(), Coverage.FULL, total, compute, Device.DEVICE, 1.0, frozenset(inputs), views,
-                       buffers, reshards)
-    if f.pending_partial:
-        inputs.add(InputRole.PENDING_PARTIAL)
-    if dest is Destination.PARTIAL:
-        return _Expect(dest, Counter({Group.SHARD: 1}), Coverage.SHARD, shard, r.reduce_dtype, Device.DEVICE,
-                       None, frozenset(inputs), None, buffers, reshards)
-    if f.accumulate:
-        inputs.add(InputRole.SHARDED_GRAD)
+    match dest:
+        case Destination.UNSHARDED_GRAD:
+            views = unsharded_views(r.layout) if r.use_orig_params else None
+            return _Expect(dest, Counter(), Coverage.FULL, total, compute, Device.DEVICE, 1.0, frozenset(inputs),
+                           views, buffers, reshards)
+        case Destination.PARTIAL:
+            if f.pending_partial:
+                inputs.add(InputRole.PENDING_PARTIAL)
+            return _Expect(dest, Counter({Group.SHARD: 1}), Coverage.SHARD, shard, r.reduce_dtype, Device.DEVICE,
+                           None, frozenset(inputs), None, buffers, reshards)
+        case Destination.SHARDED_GRAD | Destination.ACCUMULATED_GRAD | Destination.CPU_GRAD:
+            if f.pending_partial:
+                inputs.add(InputRole.PENDING_PARTIAL)
+            if f.accumulate:
+                inputs.add(InputRole.SHARDED_GRAD)
+            return _expect_reduced(r, dest, frozenset(inputs), buffers, reshards)
+        case _:
+            assert_never(dest)
+
+
+def _expect_reduced(r: PlanRequest, dest: Destination, inputs: frozenset[InputRole],
+                    buffers: dict[InputRole, tuple[int, torch.dtype, Device]], reshards: bool) -> _Expect:
+    """What a plan that hands off a reduced gradient (sharded, accumulated or offloaded) must do."""
+    strategy = r.sharding.strategy
+    total = r.layout.total_numel
+    shard = -(-total // r.sharding.num_shards)
     groups = Counter({Group.SHARD: 1})
     if strategy.is_hybrid:
         groups[Group.REPLICATE] = 1
@@ -200,8 +216,7 @@ def _expect(r: PlanRequest) -> _Expect:
     if r.use_orig_params:
         views = r.sharding.shard_views(r.layout) if strategy.is_sharded else unsharded_views(r.layout)
     buffers[InputRole.SHARDED_GRAD] = (numel, r.grad_dtype, device)
-    return _Expect(dest, groups, coverage, numel, r.grad_dtype, device, divisor, frozenset(inputs), views,
-                   buffers, reshards)
+    return _Expect(dest, groups, coverage, numel, r.grad_dtype, device, divisor, inputs, views, buffers, reshards)
 
 
 class _Checker:
@@ -239,8 +254,7 @@ class _Checker:
     # -- buffers ----------------------------------------------------------------------------
 
     def group_size(self, group: Group) -> int:
-        sharding = self.request.sharding
-        return sharding.shard_size if group is Group.SHARD else sharding.replicate_size
+        return self.request.group_size(group)
 
     def live(self, b: Buffer) -> _BufState | None:
         st = self.bufs.get(b.name)
@@ -352,19 +366,24 @@ class _Checker:
                 ev = self.tick(op.stream)
                 self.read(op.buffer, ev)
                 self.hand_offs.append((self.index, op))
+            case _:
+                assert_never(op)
 
     def op_input(self, op: Input) -> None:
         ev = self.tick(op.stream)
         self.input_roles.append(op.role)
         exp = self.expect
         sources = frozenset({op.role})
-        if op.role in (InputRole.GRAD, InputRole.PENDING_UNSHARDED):
-            value = _Value(Counter(), 1.0, Coverage.FULL, sources)
-        elif op.role is InputRole.SHARDED_GRAD:
-            scale = None if exp.total_divisor is None else 1.0 / exp.total_divisor
-            value = _Value(Counter(exp.reductions), scale, exp.coverage, sources)
-        else:
-            value = _Value(Counter({Group.SHARD: 1}), None, Coverage.SHARD, sources)
+        match op.role:
+            case InputRole.GRAD | InputRole.PENDING_UNSHARDED:
+                value = _Value(Counter(), 1.0, Coverage.FULL, sources)
+            case InputRole.SHARDED_GRAD:
+                scale = None if exp.total_divisor is None else 1.0 / exp.total_divisor
+                value = _Value(Counter(exp.reductions), scale, exp.coverage, sources)
+            case InputRole.PENDING_PARTIAL:
+                value = _Value(Counter({Group.SHARD: 1}), None, Coverage.SHARD, sources)
+            case _:
+                assert_never(op.role)
         want = exp.input_buffers.get(op.role)
         b = op.buffer
         if want is not None:

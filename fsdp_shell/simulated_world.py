@@ -23,10 +23,11 @@ deletes the buffer, so a plan that reads a freed buffer fails here with ``Simula
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence, assert_never
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
+from typing_extensions import assert_never
 
 from fsdp_core.config import CommHook
 from fsdp_core.division import ReduceKind, ReduceOpSpec, fsdp1_predivide_factor
@@ -99,10 +100,14 @@ class WorldGeometry:
 
     def members(self, rank: int, group: Group) -> tuple[int, ...]:
         """The global ranks of ``rank``'s ``group``, ordered by their index in that group."""
-        if group is Group.SHARD:
-            first = self.replicate_index(rank) * self.shard_size
-            return tuple(range(first, first + self.shard_size))
-        return tuple(r * self.shard_size + self.shard_rank(rank) for r in range(self.replicate_size))
+        match group:
+            case Group.SHARD:
+                first = self.replicate_index(rank) * self.shard_size
+                return tuple(range(first, first + self.shard_size))
+            case Group.REPLICATE:
+                return tuple(r * self.shard_size + self.shard_rank(rank) for r in range(self.replicate_size))
+            case _:
+                assert_never(group)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,8 +72,16 @@ class UnshardRunner:
     def run(self, event: UnshardEvent, unit: int) -> None:
         """Run the schedule's actions for ``event`` of ``unit`` (recording the order first)."""
         if self._recording and self._handles[unit] is not None:
-            order = self._forward if event is UnshardEvent.PRE_FORWARD else (
-                self._backward if event is UnshardEvent.PRE_BACKWARD else None)
+            order: list[int] | None
+            match event:
+                case UnshardEvent.PRE_FORWARD:
+                    order = self._forward
+                case UnshardEvent.PRE_BACKWARD:
+                    order = self._backward
+                case UnshardEvent.POST_FORWARD | UnshardEvent.POST_BACKWARD:
+                    order = None
+                case _:
+                    assert_never(event)
             if order is not None and unit not in order:
                 order.append(unit)
         for action in self.schedule.actions(event, unit):
