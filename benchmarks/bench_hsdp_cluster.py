@@ -1,8 +1,13 @@
 """The seed's table on an emulated two-node cluster: FSDP vs old (sync) HSDP vs async HSDP.
 
-Run on demand, as root: ``python benchmarks/bench_hsdp_cluster.py [--rounds 6] [--rate 400]
+Run on demand, as root: ``python benchmarks/bench_hsdp_cluster.py [--rounds 6] [--rate 1000]
 [--trace DIR]``. ``--loopback`` runs the same on plain loopback (no namespaces, no rate limit)
 as a smoke test.
+
+The default link, 1000 Mbit/s, puts one block's inter-node all-reduce at about 10x its
+intra-node reduce-scatter, as on the seed's cluster (30-55 ms against 3-5 ms); at 400 Mbit/s
+the all-reduce is some 25x the reduce-scatter on this machine and the link alone sets the pace,
+so where the all-reduce runs barely matters (measured: async/sync 0.98).
 
 Two network namespaces joined by a rate-limited veth pair (``benchmarks/cluster.py``), two
 gloo ranks per "node". A communication-bound transformer (6 encoder blocks, d_model 256,
@@ -42,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fsdp_core import ShardingStrategy  # noqa: E402
 from fsdp_shell import FSDP  # noqa: E402
 
-D_MODEL, HEADS, FF, BLOCKS, BATCH, SEQ = 256, 4, 1024, 6, 4, 16
+D_MODEL, HEADS, FF, BLOCKS = 256, 4, 1024, 6
 
 CONFIGS = ("fsdp1-full", "ours-full", "fsdp1-hybrid", "ours-hybrid-sync", "ours-hybrid-async")
 
@@ -84,9 +89,9 @@ def _build(config: str, mesh: DeviceMesh) -> nn.Module:
                 device_mesh=mesh, hybrid_all_reduce=placement)
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> float:
+def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, shape: tuple[int, int]) -> float:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(BATCH, SEQ, 32, generator=g), torch.randn(BATCH, SEQ, 1, generator=g)
+    x, y = torch.randn(*shape, 32, generator=g), torch.randn(*shape, 1, generator=g)
     loss = (model(x) - y).square().mean()
     loss.backward()
     opt.step()
@@ -94,10 +99,10 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) ->
     return loss.detach().item()
 
 
-def seed_table(rank: int, world: int, arg: tuple[int, int, str | None]) -> dict[str, list[float]]:
+def seed_table(rank: int, world: int, arg: tuple[int, int, str | None, tuple[int, int]]) -> dict[str, list[float]]:
     """Per-round step times (s) of every configuration on this rank, interleaved; with a trace
-    directory, one profiled sync and async iteration each."""
-    rounds, warmup, trace_dir = arg
+    directory, one profiled sync and async iteration each. ``shape``: (batch, sequence)."""
+    rounds, warmup, trace_dir, shape = arg
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     models = {c: _build(c, mesh) for c in CONFIGS}
@@ -107,17 +112,19 @@ def seed_table(rank: int, world: int, arg: tuple[int, int, str | None]) -> dict[
         for config, model in models.items():
             dist.barrier()
             start = time.perf_counter()
-            _step(model, opts[config], r, rank)
+            _step(model, opts[config], r, rank, shape)
             dist.barrier()
             if r >= warmup:
                 times[config].append(time.perf_counter() - start)
     if trace_dir is not None:
+        from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import ProfilerActivity, profile
 
+        every_thread = _ExperimentalConfig(profile_all_threads=True)  # the lane issues the all-reduces
         for config in ("ours-hybrid-sync", "ours-hybrid-async"):
             dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                _step(models[config], opts[config], warmup + rounds, rank)
+            with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+                _step(models[config], opts[config], warmup + rounds, rank, shape)
             prof.export_chrome_trace(str(Path(trace_dir) / f"{config}-rank{rank}.json"))
     del models, opts
     gc.collect()
@@ -145,7 +152,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rate", type=float, default=400.0, help="inter-node link, Mbit/s")
+    parser.add_argument("--rate", type=float, default=1000.0, help="inter-node link, Mbit/s (default 1000)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
+    parser.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
     parser.add_argument("--trace", default=None, help="write per-rank Perfetto traces of one sync and one async step")
     parser.add_argument("--loopback", action="store_true", help="plain loopback, no emulated link (smoke test)")
     args = parser.parse_args()
@@ -153,7 +162,7 @@ def main() -> None:
     trace = None if args.trace is None else str(Path(args.trace).resolve())
     if trace is not None:
         Path(trace).mkdir(parents=True, exist_ok=True)
-    arg = (args.rounds, args.warmup, trace)
+    arg = (args.rounds, args.warmup, trace, (args.batch, args.seq))
     run: Callable[[], list[dict[str, list[float]]]]
     if args.loopback:
         from tests.dist_harness import run_world
@@ -168,8 +177,8 @@ def main() -> None:
             sys.exit(f"bench_hsdp_cluster: {reason}")
         run = lambda: run_on_cluster(seed_table, arg, rate_mbit=args.rate, ranks_per_node=2, timeout=3600)  # noqa: E731
         where = f"2 nodes x 2 ranks, {args.rate:g} Mbit/s between the nodes"
-    print(f"{where}; {BLOCKS} encoder blocks of 0.79 M parameters; {args.rounds} interleaved rounds after "
-          f"{args.warmup} warm-up; median of per-round worst-rank times")
+    print(f"{where}; {BLOCKS} encoder blocks of 0.79 M parameters, batch {args.batch} x {args.seq}; "
+          f"{args.rounds} interleaved rounds after {args.warmup} warm-up; median of per-round worst-rank times")
     _report(run(), args.rounds)
     if trace is not None:
         print(f"  traces: {trace}/ours-hybrid-{{sync,async}}-rank<r>.json (open in ui.perfetto.dev)")
