@@ -73,8 +73,8 @@ class Schedule(enum.Enum):
     """``HYBRID_SHARD``, the all-reduce queued after the reduce-scatter on the post-backward stream
     (FSDP1 before PyTorch PR 106080): the next reduce-scatter waits for it."""
     HSDP_ASYNC = "hsdp_async"
-    """``HYBRID_SHARD``, the all-reduce on a stream of its own (PR 106080, fsdp_shell's default):
-    it overlaps the next reduce-scatters and the all-gathers."""
+    """``HYBRID_SHARD``, the all-reduce on a stream of its own (PR 106080, as fsdp_shell's hybrid
+    plans run it): it overlaps the next reduce-scatters and the all-gathers."""
 
     @property
     def is_hybrid(self) -> bool:

@@ -38,7 +38,8 @@ def _concurrency(intervals: list[Interval]) -> int:
 
 def format_iteration(timeline: IterationTimeline, width: int = 100) -> str:
     """An ASCII chart of ``timeline``, ``width`` columns wide: one row per stream that has work,
-    then one row per link that carries any, where a digit counts collectives sharing the link.
+    then one row per link that carries any, where a digit counts collectives sharing the link;
+    then a legend.
 
     Each interval covers the columns its time maps to, at least one; a later interval on the same
     row overwrites an earlier one in a shared column."""
@@ -76,10 +77,10 @@ def format_iteration(timeline: IterationTimeline, width: int = 100) -> str:
                 shared = _concurrency(here)
                 cells[k] = str(min(shared, 9)) if shared > 1 else PHASE_MARKS[here[-1].phase]
         rows.append(f"  {link.value:<14}|{''.join(cells)}|")
-    head = (f"{timeline.schedule.value}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms "
-            "(g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
-            "2-9 collectives sharing a link)")
-    return "\n".join([head, *rows])
+    head = f"{timeline.schedule.value}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
+    legend = ("  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
+              "2-9 collectives sharing a link")
+    return "\n".join([head, *rows, legend])
 
 
 def iteration_to_trace(timeline: IterationTimeline, *, name: str | None = None) -> dict[str, JsonValue]:

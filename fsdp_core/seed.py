@@ -30,6 +30,7 @@ from fsdp_core.iteration import (
     UnitCosts,
     simulate_iteration,
 )
+from fsdp_core.iteration_render import format_iteration
 
 __all__ = [
     "SEED_DECODER",
@@ -42,6 +43,7 @@ __all__ = [
     "SeedRow",
     "fit_seed",
     "format_seed_table",
+    "format_seed_timeline",
     "seed_calibration",
     "seed_links",
     "seed_model",
@@ -255,3 +257,8 @@ def format_seed_table(calibration: SeedCalibration) -> str:
     if p != SEED_PARAMETERS or not calibration.one_collective_per_group:
         lines.append("(not the fitted configuration; nothing refitted)")
     return "\n".join(lines)
+
+
+def format_seed_timeline(result: SeedResult, width: int = 100) -> str:
+    """The row's label, then ``format_iteration`` of its timeline, ``width`` columns wide."""
+    return f"{result.row.label}:\n{format_iteration(result.timeline, width)}"

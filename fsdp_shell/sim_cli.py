@@ -23,8 +23,8 @@ from fsdp_core import (
     SEED_PARAMETERS,
     SEED_ROWS,
     SeedCalibration,
-    format_iteration,
     format_seed_table,
+    format_seed_timeline,
     iteration_to_trace,
     seed_calibration,
 )
@@ -95,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibration = seed_calibration(params, one_collective_per_group=not args.concurrent_collectives)
     parts = [format_seed_table(calibration)]
     if not args.no_timeline:
-        parts += [f"{r.row.label}:\n{format_iteration(r.timeline, args.width)}"
-                  for r in calibration.results if r.row.key in keys]
+        parts += [format_seed_timeline(r, args.width) for r in calibration.results if r.row.key in keys]
     if args.trace is not None:
         try:
             paths = write_traces(calibration, args.trace, keys)

@@ -406,7 +406,8 @@ def test_format_iteration_rows_and_width() -> None:
     text = format_iteration(t, width=57)
     lines = text.splitlines()
     assert lines[0].startswith("hsdp_async: 57.0 ms per iteration, one column = 1.00 ms")
-    rows = {line.split("|")[0].strip(): line.split("|")[1] for line in lines[1:]}
+    assert lines[-1].startswith("  g/G forward/backward all-gather")
+    rows = {line.split("|")[0].strip(): line.split("|")[1] for line in lines[1:-1]}
     assert list(rows) == ["compute", "all_gather", "post_backward", "all_reduce", "intra_node", "inter_node"]
     assert all(len(row) == 57 for row in rows.values())
     # u2's all-reduce runs 17-37 ms and u1's 37-57: one column per ms.

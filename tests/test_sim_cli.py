@@ -84,3 +84,22 @@ def test_console_script_runs_as_a_process() -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("PyTorch PR 106080")
+
+
+def _block(name: str) -> str:
+    """The body of generated block ``sim:name`` of docs/async-hsdp.md, without its fence."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "async-hsdp.md").read_text(encoding="utf-8")
+    body = text.split(f"<!-- sim:{name} -->\n", 1)[1].split(f"<!-- /sim:{name} -->", 1)[0]
+    assert body.startswith("```text\n") and body.endswith("\n```\n")
+    return body.removeprefix("```text\n").removesuffix("```\n")
+
+
+def test_the_documented_numbers_are_what_fsdp_sim_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--no-timeline"]) == 0
+    assert capsys.readouterr().out == _block("seed_table")
+    assert main(["--no-timeline", "--concurrent-collectives", "--contention", "1.25"]) == 0
+    assert capsys.readouterr().out == _block("concurrent_contention_1_25")
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for key in ("fsdp", "hsdp_sync", "hsdp_async", "hsdp_async_cross_nic"):
+        assert _block(f"timeline_{key}") in out
