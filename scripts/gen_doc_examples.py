@@ -16,7 +16,9 @@ The marker's kind says what is printed for the example named after the colon:
 - ``timeline``: ``format_timeline(simulate_timeline(plan, ...))`` with the example's units (and
   all-gather schedule, if it has one);
 - ``schedule``: ``format_unshard(schedule)`` for an all-gather schedule of ``SCHEDULES``;
-- ``unshard_problems``: ``check_unshard(schedule)``, one problem per line (``(sound)`` when none).
+- ``unshard_problems``: ``check_unshard(schedule)``, one problem per line (``(sound)`` when none);
+- ``sim``: what ``fsdp-sim`` prints for a name of ``SIM_BLOCKS``: the seed table
+  (``format_seed_table``), or one row's timeline (``format_seed_timeline``).
 
 Usage::
 
@@ -33,6 +35,7 @@ import argparse
 import re
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
@@ -66,6 +69,8 @@ from fsdp_core import (
     ReduceOpSpec,
     Reshard,
     ReduceScatter,
+    SEED_PARAMETERS,
+    SEED_ROWS,
     ShardingSpec,
     ShardingStrategy,
     StepFlags,
@@ -79,10 +84,13 @@ from fsdp_core import (
     check_unshard,
     comm_volume,
     format_plan,
+    format_seed_table,
+    format_seed_timeline,
     format_timeline,
     format_unshard,
     plan_post_backward,
     plan_unshard,
+    seed_calibration,
     simulate_timeline,
 )
 
@@ -91,8 +99,8 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-__all__ = ["DOCS", "EXAMPLES", "SCHEDULES", "Example", "ScheduleExample", "main", "regenerate", "render",
-           "stale_blocks"]
+__all__ = ["DOCS", "EXAMPLES", "SCHEDULES", "SIM_BLOCKS", "Example", "ScheduleExample", "main", "regenerate",
+           "render", "stale_blocks"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -382,6 +390,23 @@ SCHEDULES: Mapping[str, ScheduleExample] = {
 """Every named all-gather schedule a document may show."""
 
 
+def _seed_timeline(key: str) -> str:
+    result = next(r for r in seed_calibration().results if r.row.key == key)
+    return format_seed_timeline(result)
+
+
+SIM_BLOCKS: Mapping[str, Callable[[], str]] = {
+    # docs/async-hsdp.md: `fsdp-sim --no-timeline`
+    "seed_table": lambda: format_seed_table(seed_calibration()),
+    # docs/async-hsdp.md: `fsdp-sim --no-timeline --concurrent-collectives --contention 1.25`
+    "concurrent_contention_1_25": lambda: format_seed_table(
+        seed_calibration(replace(SEED_PARAMETERS, contention=1.25), one_collective_per_group=False)),
+    # docs/async-hsdp.md: the timelines `fsdp-sim` prints, one per row
+    **{f"timeline_{row.key}": partial(_seed_timeline, row.key) for row in SEED_ROWS},
+}
+"""Every ``fsdp-sim`` output a document may show."""
+
+
 # -- rendering ----------------------------------------------------------------------------------
 
 
@@ -440,12 +465,16 @@ def _known(kind: str, name: str) -> str | None:
         return None if name in EXAMPLES else "example"
     if kind in SCHEDULE_KINDS:
         return None if name in SCHEDULES else "example"
+    if kind == "sim":
+        return None if name in SIM_BLOCKS else "example"
     return "kind"
 
 
 def render(kind: str, name: str) -> str:
     """The body of block ``kind:name``: a fenced ``text`` block ending in a newline."""
-    if kind in SCHEDULE_KINDS:
+    if kind == "sim":
+        text = SIM_BLOCKS[name]().rstrip("\n")
+    elif kind in SCHEDULE_KINDS:
         text = SCHEDULE_KINDS[kind](SCHEDULES[name]).rstrip("\n")
     else:
         text = KINDS[kind](EXAMPLES[name]).rstrip("\n")

@@ -1,0 +1,213 @@
+"""Build the iteration simulation from timings measured on a cluster.
+
+A benchmark times each collective alone, at one or more sizes, on the groups FSDP would use:
+
+- all-gather and reduce-scatter over a shard group inside one node (``Link.INTRA_NODE``, HSDP)
+  and over the whole world across nodes (``Link.INTER_NODE``, FSDP);
+- all-reduce over the replicate group across nodes (``Link.INTER_NODE``, HSDP);
+
+and each unit's forward and backward compute. ``fit_affine`` fits ``latency + bytes * ms_per_byte``
+to each collective's samples; ``model_from_measurements`` prices every unit's collectives with
+those fits (all-gather and reduce-scatter of its whole flat parameter, all-reduce of one shard of
+it) and returns the ``IterationModel`` that ``simulate_iteration`` runs. Nothing is fitted to
+iteration times, so a measured iteration time can be compared with the prediction.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from fsdp_core.config import BackwardPrefetch
+from fsdp_core.iteration import CollectiveCosts, IterationModel, UnitCosts
+from fsdp_core.link_sim import Link
+
+__all__ = [
+    "AffineCost",
+    "Collective",
+    "CollectiveFits",
+    "CollectiveSample",
+    "MeasuredUnit",
+    "Measurements",
+    "fit_affine",
+    "fit_collectives",
+    "model_from_measurements",
+]
+
+
+class Collective(enum.Enum):
+    """A collective FSDP issues."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+
+def _check_nonnegative(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{owner}.{name}: expected a finite number >= 0, got {value!r}")
+
+
+def _check_count(owner: str, name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}.{name}: expected an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveSample:
+    """One measurement: ``collective`` on ``link``, alone, of ``nbytes``, took ``ms``."""
+
+    collective: Collective
+    link: Link
+    nbytes: int
+    """The size FSDP passes: for all-gather the gathered (unsharded) output, for reduce-scatter
+    the unsharded input, for all-reduce the tensor reduced (one shard)."""
+    ms: float
+    """Its time alone, e.g. the median of several runs."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collective, Collective):
+            raise TypeError(f"CollectiveSample.collective: expected a Collective, got {self.collective!r}")
+        if not isinstance(self.link, Link):
+            raise TypeError(f"CollectiveSample.link: expected a Link, got {self.link!r}")
+        _check_count("CollectiveSample", "nbytes", self.nbytes, 1)
+        _check_nonnegative("CollectiveSample", "ms", self.ms)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AffineCost:
+    """``latency_ms + nbytes * ms_per_byte``."""
+
+    latency_ms: float
+    ms_per_byte: float
+
+    def __post_init__(self) -> None:
+        _check_nonnegative("AffineCost", "latency_ms", self.latency_ms)
+        _check_nonnegative("AffineCost", "ms_per_byte", self.ms_per_byte)
+
+    def ms(self, nbytes: int) -> float:
+        """The cost of ``nbytes``; 0 for 0 bytes (nothing to send)."""
+        return 0.0 if nbytes == 0 else self.latency_ms + nbytes * self.ms_per_byte
+
+
+def fit_affine(samples: Sequence[CollectiveSample]) -> AffineCost:
+    """Least squares of ``ms = latency + nbytes * ms_per_byte`` over ``samples`` (at least one).
+
+    With a single size the latency cannot be told apart from the bandwidth: the line goes through
+    the origin (latency 0) and the mean. A fit with a negative latency is redone through the
+    origin, one with a negative slope is flat at the mean; so both terms are >= 0.
+    Deterministic: the result depends only on the multiset of samples."""
+    if not samples:
+        raise ValueError("samples: expected at least one CollectiveSample")
+    points = sorted((float(s.nbytes), float(s.ms)) for s in samples)
+    n = len(points)
+    mean_x = math.fsum(x for x, _ in points) / n
+    mean_y = math.fsum(y for _, y in points) / n
+    sxx = math.fsum((x - mean_x) ** 2 for x, _ in points)
+    if sxx > 0:
+        slope = math.fsum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+        latency = mean_y - slope * mean_x
+        if slope < 0:
+            return AffineCost(latency_ms=mean_y, ms_per_byte=0.0)
+        if latency >= 0:
+            return AffineCost(latency_ms=latency, ms_per_byte=slope)
+    through_origin = math.fsum(x * y for x, y in points) / math.fsum(x * x for x, _ in points)
+    return AffineCost(latency_ms=0.0, ms_per_byte=through_origin)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveFits:
+    """The fitted cost of each collective ``model_from_measurements`` needs."""
+
+    all_gather_intra: AffineCost
+    all_gather_inter: AffineCost
+    reduce_scatter_intra: AffineCost
+    reduce_scatter_inter: AffineCost
+    all_reduce_inter: AffineCost
+
+
+_NEEDED = (
+    ("all_gather_intra", Collective.ALL_GATHER, Link.INTRA_NODE),
+    ("all_gather_inter", Collective.ALL_GATHER, Link.INTER_NODE),
+    ("reduce_scatter_intra", Collective.REDUCE_SCATTER, Link.INTRA_NODE),
+    ("reduce_scatter_inter", Collective.REDUCE_SCATTER, Link.INTER_NODE),
+    ("all_reduce_inter", Collective.ALL_REDUCE, Link.INTER_NODE),
+)
+
+
+def fit_collectives(samples: Sequence[CollectiveSample]) -> CollectiveFits:
+    """``fit_affine`` per (collective, link) of ``CollectiveFits``; ``ValueError`` naming every
+    one without samples. Samples of other pairs (an intra-node all-reduce) are ignored."""
+    missing = [f"{c.value} on {link.value}" for _, c, link in _NEEDED
+               if not any(s.collective is c and s.link is link for s in samples)]
+    if missing:
+        raise ValueError(f"samples: no measurement of {', '.join(missing)}")
+    fits = {name: fit_affine([s for s in samples if s.collective is c and s.link is link]) for name, c, link in _NEEDED}
+    return CollectiveFits(all_gather_intra=fits["all_gather_intra"], all_gather_inter=fits["all_gather_inter"],
+                          reduce_scatter_intra=fits["reduce_scatter_intra"],
+                          reduce_scatter_inter=fits["reduce_scatter_inter"], all_reduce_inter=fits["all_reduce_inter"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasuredUnit:
+    """One FSDP unit as measured."""
+
+    name: str
+    param_bytes: int
+    """Its flat parameter's bytes as all-gathered and its gradient's as reduce-scattered
+    (unsharded, padded, in the dtype on the wire); 0 for a unit without parameters."""
+    forward_ms: float
+    backward_ms: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"MeasuredUnit.name: expected a non-empty string, got {self.name!r}")
+        _check_count("MeasuredUnit", "param_bytes", self.param_bytes, 0)
+        _check_nonnegative("MeasuredUnit", "forward_ms", self.forward_ms)
+        _check_nonnegative("MeasuredUnit", "backward_ms", self.backward_ms)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Measurements:
+    """What a benchmark measured on one cluster."""
+
+    units: tuple[MeasuredUnit, ...]
+    """In forward order; ``units[0]`` is the root (``IterationModel.units``)."""
+    samples: tuple[CollectiveSample, ...]
+    ranks_per_node: int
+    """HSDP's shard group size: its replicate all-reduce reduces ``ceil(param_bytes / ranks_per_node)``
+    bytes."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.units, tuple) or not self.units or not all(isinstance(u, MeasuredUnit) for u in self.units):
+            raise TypeError(f"Measurements.units: expected a non-empty tuple of MeasuredUnit, got {self.units!r}")
+        if not isinstance(self.samples, tuple) or not all(isinstance(s, CollectiveSample) for s in self.samples):
+            raise TypeError(f"Measurements.samples: expected a tuple of CollectiveSample, got {self.samples!r}")
+        _check_count("Measurements", "ranks_per_node", self.ranks_per_node, 1)
+
+
+def model_from_measurements(
+    measurements: Measurements,
+    *,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
+) -> IterationModel:
+    """The ``IterationModel`` of ``measurements``: each unit's measured compute, and its
+    collectives priced by ``fit_collectives(measurements.samples)`` at its size. Simulate it with
+    ``simulate_iteration`` under each ``Schedule`` and the default ``LinkModel`` (the samples
+    were timed on the links as they are)."""
+    fits = fit_collectives(measurements.samples)
+    units = []
+    for u in measurements.units:
+        shard = -(-u.param_bytes // measurements.ranks_per_node)
+        costs = CollectiveCosts(
+            all_gather_intra_ms=fits.all_gather_intra.ms(u.param_bytes),
+            all_gather_inter_ms=fits.all_gather_inter.ms(u.param_bytes),
+            reduce_scatter_intra_ms=fits.reduce_scatter_intra.ms(u.param_bytes),
+            reduce_scatter_inter_ms=fits.reduce_scatter_inter.ms(u.param_bytes),
+            all_reduce_inter_ms=fits.all_reduce_inter.ms(shard),
+        )
+        units.append(UnitCosts(name=u.name, forward_ms=u.forward_ms, backward_ms=u.backward_ms, collectives=costs))
+    return IterationModel(units=tuple(units), backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)

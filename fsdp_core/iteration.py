@@ -1,0 +1,384 @@
+"""One training iteration of a model of several FSDP units, simulated on FSDP1's streams.
+
+What runs, per unit, in FSDP1's order (``plan_unshard`` gives the all-gather actions; unit 0 is
+the root, which wraps the others and keeps its parameters gathered from forward to backward):
+
+- **forward**: the unit's all-gather on ``Stream.ALL_GATHER``, then its forward on
+  ``Stream.COMPUTE``, which waits for it. FSDP1's default has no forward prefetch, so a unit's
+  all-gather is issued in its own pre-forward hook and its forward waits for all of it.
+- **backward**: with ``BACKWARD_PRE`` (the default) each unit's pre-backward issues the next
+  unit's all-gather, which runs while this unit's backward computes; the root's pre-backward
+  issues the first. Then the unit's backward on compute; in its post-backward hook (after any
+  ``BACKWARD_POST`` prefetch, as FSDP1 reshards and prefetches before it reduces) the
+  reduce-scatter on ``Stream.POST_BACKWARD``, which waits for that backward; for hybrid schedules
+  the replicate all-reduce after it, on ``Stream.POST_BACKWARD`` (``HSDP_SYNC``, FSDP1 before
+  PyTorch PR 106080: the next reduce-scatter waits for it) or on ``Stream.ALL_REDUCE``
+  (``HSDP_ASYNC``: it waits only for its reduce-scatter). The root's own backward runs last.
+- **end of backward**: the compute stream waits for every side stream; the iteration ends when
+  the last task does. The optimizer step is not modelled.
+
+Timing rules:
+
+- *Host in step.* A hook fires when the compute stream reaches it: a collective issued from a
+  hook starts no earlier than the end of the compute work enqueued before that hook. (A real
+  host may run ahead of the device, which FSDP1's ``limit_all_gathers`` bounds; that implicit
+  forward overlap is not modelled — ``forward_prefetch=True`` is the explicit kind.)
+- *Streams* run their tasks one at a time, in the order they were enqueued.
+- *One collective per process group* (``LinkModel.one_collective_per_group``, default True):
+  ProcessGroupNCCL runs a group's collectives on one internal stream, in the order the host
+  issued them, whatever CUDA stream issued them; so FSDP1's all-gathers and reduce-scatters (one
+  shard group) never run at the same time, while the replicate all-reduce (another group) does.
+- *Links* (``fsdp_core.link_sim``): FSDP's shard group spans nodes, so its all-gathers and
+  reduce-scatters use ``Link.INTER_NODE``; HSDP's shard group is one node (``Link.INTRA_NODE``);
+  the replicate group spans nodes. A collective's work is its cost measured alone on its link;
+  collectives active on one link at once share it (processor sharing with ``contention``).
+
+Everything is exact (``Fraction``) and deterministic; the result is an ``IterationTimeline``
+with every interval and the iteration time.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from typing_extensions import assert_never
+
+from fsdp_core.config import BackwardPrefetch
+from fsdp_core.link_sim import Link, SimTask, run_tasks
+from fsdp_core.ops import Group, Stream
+from fsdp_core.unshard import AwaitGather, Gather, Reshard, UnshardEvent, UnshardRequest, plan_unshard
+
+__all__ = [
+    "CollectiveCosts",
+    "Interval",
+    "IterationModel",
+    "IterationTimeline",
+    "LinkModel",
+    "Phase",
+    "Schedule",
+    "UnitCosts",
+    "simulate_iteration",
+]
+
+
+class Schedule(enum.Enum):
+    """Which sharding, and where the hybrid replicate all-reduce runs."""
+
+    FSDP = "fsdp"
+    """``FULL_SHARD`` over the whole world: the shard group spans nodes; no all-reduce."""
+    HSDP_SYNC = "hsdp_sync"
+    """``HYBRID_SHARD``, the all-reduce queued after the reduce-scatter on the post-backward stream
+    (FSDP1 before PyTorch PR 106080): the next reduce-scatter waits for it."""
+    HSDP_ASYNC = "hsdp_async"
+    """``HYBRID_SHARD``, the all-reduce on a stream of its own (PR 106080, as fsdp_shell's hybrid
+    plans run it): it overlaps the next reduce-scatters and the all-gathers."""
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether gradients are also all-reduced over the replicate group."""
+        return self is not Schedule.FSDP
+
+    @property
+    def shard_link(self) -> Link:
+        """The link the shard group's all-gathers and reduce-scatters use."""
+        return Link.INTER_NODE if self is Schedule.FSDP else Link.INTRA_NODE
+
+    @classmethod
+    def parse(cls, name: str) -> Schedule:
+        """The member called ``name`` (any case, ``-`` for ``_``), or ``ValueError`` naming ``schedule``."""
+        key = name.strip().upper().replace("-", "_")
+        try:
+            return cls[key]
+        except KeyError:
+            accepted = ", ".join(m.name for m in cls)
+            raise ValueError(f"schedule: unknown schedule {name!r}; accepted: {accepted}") from None
+
+
+class Phase(enum.Enum):
+    """What an interval of the timeline is."""
+
+    FORWARD_ALL_GATHER = "forward_all_gather"
+    FORWARD = "forward"
+    BACKWARD_ALL_GATHER = "backward_all_gather"
+    BACKWARD = "backward"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+    @property
+    def is_collective(self) -> bool:
+        """Whether the phase is a transfer (not compute)."""
+        return self not in (Phase.FORWARD, Phase.BACKWARD)
+
+
+def _check_ms(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}.{name}: expected a finite number of ms >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveCosts:
+    """One unit's collectives, each timed alone (nothing else on its link), in ms.
+
+    ``*_intra_ms``: over a shard group inside one node (HSDP); ``*_inter_ms``: over a group that
+    spans nodes (FSDP's shard group, or the replicate group for the all-reduce). The all-gather
+    gathers the unit's flat parameter, the reduce-scatter reduces its gradient, the all-reduce
+    reduces one shard of it over the replicate group.
+    """
+
+    all_gather_intra_ms: float
+    all_gather_inter_ms: float
+    reduce_scatter_intra_ms: float
+    reduce_scatter_inter_ms: float
+    all_reduce_inter_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("all_gather_intra_ms", "all_gather_inter_ms", "reduce_scatter_intra_ms",
+                     "reduce_scatter_inter_ms", "all_reduce_inter_ms"):
+            _check_ms("CollectiveCosts", name, getattr(self, name))
+
+    def all_gather_ms(self, link: Link) -> float:
+        """The all-gather's cost alone on ``link``."""
+        return self.all_gather_inter_ms if link is Link.INTER_NODE else self.all_gather_intra_ms
+
+    def reduce_scatter_ms(self, link: Link) -> float:
+        """The reduce-scatter's cost alone on ``link``."""
+        return self.reduce_scatter_inter_ms if link is Link.INTER_NODE else self.reduce_scatter_intra_ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitCosts:
+    """One FSDP unit: its compute on the compute stream and its collectives, in ms."""
+
+    name: str
+    """A label for tables and traces (``enc0``, ``dec5``, ``root``)."""
+    forward_ms: float
+    backward_ms: float
+    collectives: CollectiveCosts
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"UnitCosts.name: expected a non-empty string, got {self.name!r}")
+        _check_ms("UnitCosts", "forward_ms", self.forward_ms)
+        _check_ms("UnitCosts", "backward_ms", self.backward_ms)
+        if not isinstance(self.collectives, CollectiveCosts):
+            raise TypeError(f"UnitCosts.collectives: expected CollectiveCosts, got {self.collectives!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IterationModel:
+    """The model: its units and FSDP1's prefetch settings."""
+
+    units: tuple[UnitCosts, ...]
+    """In forward order. ``units[0]`` is the root, which wraps the others (as
+    ``UnshardRequest.chain`` records it): gathered first in forward, kept gathered into backward,
+    its own backward run after all the others'."""
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.units, tuple) or not self.units or not all(isinstance(u, UnitCosts) for u in self.units):
+            raise TypeError(f"IterationModel.units: expected a non-empty tuple of UnitCosts, got {self.units!r}")
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ValueError(f"IterationModel.units: names must be unique, got {names}")
+        if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
+            raise TypeError(f"IterationModel.backward_prefetch: expected None or a BackwardPrefetch, "
+                            f"got {self.backward_prefetch!r}")
+        if not isinstance(self.forward_prefetch, bool):
+            raise TypeError(f"IterationModel.forward_prefetch: expected a bool, got {self.forward_prefetch!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkModel:
+    """How collectives share links and process groups; the free parameters of the network."""
+
+    contention: float = 1.0
+    """When ``k >= 2`` collectives are active on one link, together they progress at the link's
+    capacity divided by ``contention``, each at ``1/k`` of that. 1: ideal processor sharing
+    (bandwidth split, nothing lost); must be >= 1."""
+    inter_node_bandwidth: float = 1.0
+    """The inter-node link's bandwidth relative to the one at which the ``*_inter_ms`` costs were
+    timed (the seed's ``NCCL_CROSS_NIC=1`` row sets it to the fitted cross-NIC factor)."""
+    intra_node_bandwidth: float = 1.0
+    """The same for the ``*_intra_ms`` costs."""
+    one_collective_per_group: bool = True
+    """A process group runs one collective at a time, in the order the host issued them
+    (ProcessGroupNCCL's one internal stream per group). False: collectives issued from different
+    streams run at once even on one group, and share their link."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("contention", self.contention), ("inter_node_bandwidth", self.inter_node_bandwidth),
+                            ("intra_node_bandwidth", self.intra_node_bandwidth)):
+            low = 1.0 if name == "contention" else math.nextafter(0.0, 1.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+                bound = ">= 1" if name == "contention" else "> 0"
+                raise ValueError(f"LinkModel.{name}: expected a finite number {bound}, got {value!r}")
+        if not isinstance(self.one_collective_per_group, bool):
+            raise TypeError(f"LinkModel.one_collective_per_group: expected a bool, got {self.one_collective_per_group!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interval:
+    """One task of the iteration: when it ran, where."""
+
+    unit: int
+    """The unit's index in ``IterationModel.units``."""
+    name: str
+    """The unit's name."""
+    phase: Phase
+    stream: Stream
+    group: Group | None
+    """The process group of a collective; None for compute."""
+    link: Link | None
+    """The link a collective used; None for compute."""
+    start_ms: float
+    end_ms: float
+
+    @property
+    def duration_ms(self) -> float:
+        """``end_ms - start_ms``."""
+        return self.end_ms - self.start_ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IterationTimeline:
+    """The simulated iteration: every interval, in the order the host enqueued them."""
+
+    schedule: Schedule
+    links: LinkModel
+    intervals: tuple[Interval, ...]
+    iteration_ms: float
+    """When the last task ends (the end-of-backward wait), in ms from the first hook."""
+
+    def find(self, phase: Phase, unit: int) -> Interval:
+        """The interval of ``phase`` for ``unit``; ``KeyError`` if it has none."""
+        for interval in self.intervals:
+            if interval.phase is phase and interval.unit == unit:
+                return interval
+        raise KeyError(f"no {phase.value} interval for unit {unit}")
+
+    def on(self, stream: Stream) -> tuple[Interval, ...]:
+        """The intervals of ``stream``, in the order they ran."""
+        return tuple(i for i in self.intervals if i.stream is stream)
+
+
+@dataclass(frozen=True, slots=True)
+class _Label:
+    unit: int
+    phase: Phase
+    stream: Stream
+    group: Group | None
+    link: Link | None
+
+
+_BACKWARD_EVENTS = (UnshardEvent.PRE_BACKWARD, UnshardEvent.POST_BACKWARD)
+
+
+def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple[list[SimTask], list[_Label]]:
+    """The iteration as tasks in host order, each after what it waits for (module docstring)."""
+    request = UnshardRequest.chain(len(model.units), reshard_after_forward=True, reshard_after_backward=True,
+                                   backward_prefetch=model.backward_prefetch,
+                                   forward_prefetch=model.forward_prefetch)
+    actions = plan_unshard(request)
+    shard_link = schedule.shard_link
+    tasks: list[SimTask] = []
+    labels: list[_Label] = []
+    last_on: dict[Stream, int] = {}
+    last_in: dict[Group, int] = {}
+    gathered: dict[int, int] = {}  # unit -> its all-gather task, while gathered or in flight
+    awaited: list[int] = []  # all-gathers the next compute task waits for
+
+    def add(unit: int, phase: Phase, stream: Stream, ms: float, *, group: Group | None = None,
+            link: Link | None = None, after: tuple[int, ...] = ()) -> int:
+        deps = set(after)
+        if stream in last_on:
+            deps.add(last_on[stream])
+        if stream is not Stream.COMPUTE and Stream.COMPUTE in last_on:
+            deps.add(last_on[Stream.COMPUTE])  # the host is in step with the compute stream
+        if group is not None and links.one_collective_per_group and group in last_in:
+            deps.add(last_in[group])
+        index = len(tasks)
+        tasks.append(SimTask(after=tuple(sorted(deps)), work=Fraction(ms), link=link))
+        labels.append(_Label(unit=unit, phase=phase, stream=stream, group=group, link=link))
+        last_on[stream] = index
+        if group is not None:
+            last_in[group] = index
+        return index
+
+    def compute(unit: int, phase: Phase, ms: float) -> int:
+        index = add(unit, phase, Stream.COMPUTE, ms, after=tuple(awaited))
+        awaited.clear()
+        return index
+
+    def hook(event: UnshardEvent, unit: int) -> None:
+        phase = Phase.BACKWARD_ALL_GATHER if event in _BACKWARD_EVENTS else Phase.FORWARD_ALL_GATHER
+        for action in actions.actions(event, unit):
+            match action:
+                case Gather():
+                    if action.unit not in gathered:
+                        cost = model.units[action.unit].collectives.all_gather_ms(shard_link)
+                        gathered[action.unit] = add(action.unit, phase, Stream.ALL_GATHER, cost,
+                                                    group=Group.SHARD, link=shard_link)
+                case AwaitGather():
+                    if action.unit in gathered:
+                        awaited.append(gathered[action.unit])
+                case Reshard():
+                    gathered.pop(action.unit, None)
+                case _:
+                    assert_never(action)
+
+    for event, unit in request.events:
+        costs = model.units[unit]
+        match event:
+            case UnshardEvent.PRE_FORWARD:
+                hook(event, unit)
+                compute(unit, Phase.FORWARD, costs.forward_ms)
+            case UnshardEvent.POST_FORWARD:
+                hook(event, unit)
+            case UnshardEvent.PRE_BACKWARD:
+                hook(event, unit)
+                if unit != request.root:
+                    compute(unit, Phase.BACKWARD, costs.backward_ms)
+            case UnshardEvent.POST_BACKWARD:
+                backward = (compute(unit, Phase.BACKWARD, costs.backward_ms) if unit == request.root
+                            else last_on[Stream.COMPUTE])
+                hook(event, unit)
+                gathered.pop(unit, None)  # the post-backward plan reshards
+                rs = add(unit, Phase.REDUCE_SCATTER, Stream.POST_BACKWARD,
+                         costs.collectives.reduce_scatter_ms(shard_link), group=Group.SHARD, link=shard_link,
+                         after=(backward,))
+                if schedule.is_hybrid:
+                    stream = Stream.POST_BACKWARD if schedule is Schedule.HSDP_SYNC else Stream.ALL_REDUCE
+                    add(unit, Phase.ALL_REDUCE, stream, costs.collectives.all_reduce_inter_ms,
+                        group=Group.REPLICATE, link=Link.INTER_NODE, after=(rs,))
+            case _:
+                assert_never(event)
+    return tasks, labels
+
+
+def simulate_iteration(model: IterationModel, schedule: Schedule, links: LinkModel = LinkModel()) -> IterationTimeline:
+    """Simulate one iteration of ``model`` under ``schedule`` and ``links`` (module docstring).
+
+    Exact and deterministic: equal arguments give equal timelines. Costs in ms; each interval's
+    times are the exact event times rounded to the nearest float.
+    """
+    if not isinstance(model, IterationModel):
+        raise TypeError(f"model: expected an IterationModel, got {type(model).__name__}")
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule: expected a Schedule, got {schedule!r}")
+    if not isinstance(links, LinkModel):
+        raise TypeError(f"links: expected a LinkModel, got {type(links).__name__}")
+    tasks, labels = _tasks(model, schedule, links)
+    capacity = {Link.INTER_NODE: Fraction(links.inter_node_bandwidth),
+                Link.INTRA_NODE: Fraction(links.intra_node_bandwidth)}
+    times = run_tasks(tasks, capacity=capacity, contention=Fraction(links.contention))
+    intervals = tuple(
+        Interval(unit=label.unit, name=model.units[label.unit].name, phase=label.phase, stream=label.stream,
+                 group=label.group, link=label.link, start_ms=float(start), end_ms=float(end))
+        for label, (start, end) in zip(labels, times)
+    )
+    end = max((e for _, e in times), default=Fraction(0))
+    return IterationTimeline(schedule=schedule, links=links, intervals=intervals, iteration_ms=float(end))

@@ -1,0 +1,145 @@
+"""An exact, event-driven run of tasks that wait for each other and share links.
+
+A task is either compute (it takes ``work`` ms) or a transfer on a ``Link`` (``work`` is the ms it
+takes alone on that link at capacity 1). A task starts as soon as every task it comes ``after``
+has ended. Transfers active on one link at the same time share it by processor sharing: with
+``k`` of them active on a link of capacity ``c``, each progresses at ``c / k`` when ``k == 1``
+and at ``c / (k * contention)`` when ``k >= 2`` (``contention == 1``: ideal sharing, no loss; a
+larger value: what sharing costs beyond splitting the bandwidth). Rates change only when a task
+starts or ends, so the run steps from one such event to the next.
+
+Arithmetic is in ``fractions.Fraction``: times are exact, simultaneous ends are detected exactly,
+and equal inputs give equal outputs on every machine. Nothing here knows about FSDP; the
+iteration simulator (``fsdp_core.iteration``) builds the tasks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Mapping, Sequence
+
+__all__ = ["Link", "SimTask", "run_tasks"]
+
+
+class Link(enum.Enum):
+    """Where a collective's bytes travel."""
+
+    INTRA_NODE = "intra_node"
+    """The node's own fabric (NVLink/NVSwitch): a shard group that fits on one node."""
+    INTER_NODE = "inter_node"
+    """The network between nodes: any group with ranks on several nodes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimTask:
+    """One task of a run."""
+
+    after: tuple[int, ...]
+    """Indices of tasks that must end before this one starts; each below this task's own index,
+    so a list of tasks is always in an order in which it can run."""
+    work: Fraction
+    """Compute: its duration in ms. Transfer: the ms it takes alone on its link at capacity 1."""
+    link: Link | None = None
+    """The link a transfer uses; None for compute."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.work, Fraction) or self.work < 0:
+            raise ValueError(f"work: expected a Fraction >= 0, got {self.work!r}")
+        if not isinstance(self.after, tuple) or not all(isinstance(a, int) and a >= 0 for a in self.after):
+            raise ValueError(f"after: expected a tuple of task indices, got {self.after!r}")
+
+
+def run_tasks(
+    tasks: Sequence[SimTask],
+    *,
+    capacity: Mapping[Link, Fraction],
+    contention: Fraction = Fraction(1),
+) -> tuple[tuple[Fraction, Fraction], ...]:
+    """``(start, end)`` of every task, in ms from 0, in the order of ``tasks``.
+
+    ``capacity`` gives each link's bandwidth relative to the one at which ``work`` was timed (it
+    must name every link a task uses, each > 0); ``contention`` (>= 1) is the sharing loss
+    described in the module docstring. Raises ``ValueError`` for a task that comes after itself
+    or a later task, or for a bad capacity or contention. Tasks ready at the same instant start
+    in index order; the result does not depend on it.
+    """
+    if contention < 1:
+        raise ValueError(f"contention: expected >= 1, got {contention}")
+    for index, task in enumerate(tasks):
+        if any(a >= index for a in task.after):
+            raise ValueError(f"tasks[{index}].after: expected indices below {index}, got {task.after}")
+        if task.link is not None and capacity.get(task.link, Fraction(0)) <= 0:
+            raise ValueError(f"capacity: expected a positive capacity for {task.link.value}, got "
+                             f"{capacity.get(task.link)}")
+    n = len(tasks)
+    start: list[Fraction | None] = [None] * n
+    end: list[Fraction | None] = [None] * n
+    unmet = [len(set(t.after)) for t in tasks]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for index, task in enumerate(tasks):
+        for a in set(task.after):
+            dependents[a].append(index)
+    ready = [i for i in range(n) if unmet[i] == 0]
+    computing: dict[int, Fraction] = {}  # running compute task -> its end time
+    sending: dict[int, Fraction] = {}  # running transfer -> the work it has left
+    now = Fraction(0)
+    finished = 0
+
+    def finish(index: int) -> None:
+        nonlocal finished
+        end[index] = now
+        finished += 1
+        for d in dependents[index]:
+            unmet[d] -= 1
+            if unmet[d] == 0:
+                ready.append(d)
+
+    while finished < n:
+        while ready:
+            ready.sort()
+            index = ready.pop(0)
+            task = tasks[index]
+            start[index] = now
+            if task.work == 0:
+                finish(index)
+            elif task.link is None:
+                computing[index] = now + task.work
+            else:
+                sending[index] = task.work
+        if finished == n:
+            break
+        sharing: dict[Link, int] = {}
+        for index in sending:
+            link = _link(tasks[index])
+            sharing[link] = sharing.get(link, 0) + 1
+        speed = {index: _rate(capacity[link := _link(tasks[index])], sharing[link], contention) for index in sending}
+        steps = [t - now for t in computing.values()] + [left / speed[i] for i, left in sending.items()]
+        assert steps, "tasks wait for tasks that never end"  # unreachable: every `after` points back
+        elapsed = min(steps)
+        now += elapsed
+        for index in sorted(computing):
+            if computing[index] == now:
+                del computing[index]
+                finish(index)
+        for index in sorted(sending):
+            sending[index] -= elapsed * speed[index]
+            if sending[index] == 0:
+                del sending[index]
+                finish(index)
+    out: list[tuple[Fraction, Fraction]] = []
+    for s, e in zip(start, end):
+        assert s is not None and e is not None
+        out.append((s, e))
+    return tuple(out)
+
+
+def _link(task: SimTask) -> Link:
+    assert task.link is not None
+    return task.link
+
+
+def _rate(capacity: Fraction, active: int, contention: Fraction) -> Fraction:
+    """How fast each of ``active`` transfers on a link of ``capacity`` progresses."""
+    return capacity if active == 1 else capacity / (active * contention)

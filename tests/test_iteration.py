@@ -1,0 +1,444 @@
+"""The whole-iteration simulator: the link model, stream order, prefetch, the seed's table,
+calibration from measurements, and the renderings. Expected times are worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from fractions import Fraction
+
+import pytest
+
+from fsdp_core import (
+    PHASE_MARKS,
+    SEED_PARAMETERS,
+    SEED_ROWS,
+    BackwardPrefetch,
+    Collective,
+    CollectiveCosts,
+    CollectiveSample,
+    IterationModel,
+    IterationTimeline,
+    Link,
+    LinkModel,
+    MeasuredUnit,
+    Measurements,
+    Phase,
+    Schedule,
+    SeedParameters,
+    SimTask,
+    Stream,
+    UnitCosts,
+    fit_affine,
+    fit_collectives,
+    fit_seed,
+    format_iteration,
+    format_seed_table,
+    iteration_to_trace,
+    model_from_measurements,
+    run_tasks,
+    seed_calibration,
+    seed_model,
+    simulate_iteration,
+)
+
+F = Fraction
+INTER, INTRA = Link.INTER_NODE, Link.INTRA_NODE
+ONE = {INTER: F(1), INTRA: F(1)}
+
+
+# -- the link model ---------------------------------------------------------------------------
+
+
+def spans(*pairs: tuple[int, int]) -> tuple[tuple[Fraction, Fraction], ...]:
+    """Exact (start, end) pairs, as ``run_tasks`` returns them."""
+    return tuple((F(a), F(b)) for a, b in pairs)
+
+
+def transfer(work: int, link: Link = INTER, after: tuple[int, ...] = ()) -> SimTask:
+    return SimTask(after=after, work=F(work), link=link)
+
+
+def test_a_lone_transfer_takes_its_cost() -> None:
+    assert run_tasks([transfer(7)], capacity=ONE) == spans((0, 7))
+
+
+def test_two_equal_transfers_sharing_a_link_take_twice_as_long() -> None:
+    assert run_tasks([transfer(10), transfer(10)], capacity=ONE) == spans((0, 20), (0, 20))
+
+
+def test_contention_slows_shared_transfers_beyond_the_split() -> None:
+    # Each at 1 / (2 * 1.5) of the link: 10 ms of work take 30 ms.
+    assert run_tasks([transfer(10), transfer(10)], capacity=ONE, contention=F(3, 2)) == spans((0, 30), (0, 30))
+    # Contention costs nothing to a transfer alone.
+    assert run_tasks([transfer(10)], capacity=ONE, contention=F(3)) == spans((0, 10))
+
+
+def test_unequal_transfers_share_until_the_shorter_ends() -> None:
+    # Both at half speed until 4 ms of work are done at t=8; the rest (6 ms) alone: 14.
+    assert run_tasks([transfer(10), transfer(4)], capacity=ONE) == spans((0, 14), (0, 8))
+
+
+def test_a_transfer_joining_later_shares_only_from_then_on() -> None:
+    # A alone for 4 ms (6 left); then A and B at half speed: B's 4 ms end at 12, A has 2 left: 14.
+    tasks = [transfer(10), SimTask(after=(), work=F(4)), transfer(4, after=(1,))]
+    assert run_tasks(tasks, capacity=ONE) == spans((0, 14), (0, 4), (4, 12))
+
+
+def test_different_links_and_compute_do_not_share() -> None:
+    tasks = [transfer(10, INTER), transfer(10, INTRA), SimTask(after=(), work=F(10)), SimTask(after=(), work=F(10))]
+    assert run_tasks(tasks, capacity=ONE) == spans((0, 10)) * 4
+
+
+def test_capacity_scales_a_link() -> None:
+    assert run_tasks([transfer(10)], capacity={INTER: F(2)}) == spans((0, 5))
+
+
+def test_dependencies_and_zero_work() -> None:
+    tasks = [SimTask(after=(), work=F(3)), SimTask(after=(0,), work=F(0)), transfer(2, after=(1,))]
+    assert run_tasks(tasks, capacity=ONE) == spans((0, 3), (3, 3), (3, 5))
+
+
+@pytest.mark.parametrize(
+    ("tasks", "capacity", "contention", "fragment"),
+    [
+        ([SimTask(after=(0,), work=F(1))], ONE, F(1), r"tasks\[0\]\.after"),
+        ([transfer(1)], {INTRA: F(1)}, F(1), "capacity"),
+        ([transfer(1)], ONE, F(1, 2), "contention"),
+    ],
+)
+def test_run_tasks_rejects_bad_input(tasks: list[SimTask], capacity: dict[Link, Fraction], contention: Fraction,
+                                     fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        run_tasks(tasks, capacity=capacity, contention=contention)
+
+
+# -- one iteration of a small model -------------------------------------------------------------
+
+COSTS = CollectiveCosts(all_gather_intra_ms=3, all_gather_inter_ms=10, reduce_scatter_intra_ms=3,
+                        reduce_scatter_inter_ms=10, all_reduce_inter_ms=20)
+NOTHING = CollectiveCosts(all_gather_intra_ms=0, all_gather_inter_ms=0, reduce_scatter_intra_ms=0,
+                          reduce_scatter_inter_ms=0, all_reduce_inter_ms=0)
+
+
+def small(backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+          forward_prefetch: bool = False) -> IterationModel:
+    """A root without cost wrapping two units of forward 1 ms, backward 2 ms."""
+    root = UnitCosts(name="root", forward_ms=0, backward_ms=0, collectives=NOTHING)
+    units = tuple(UnitCosts(name=f"u{i}", forward_ms=1, backward_ms=2, collectives=COSTS) for i in (1, 2))
+    return IterationModel(units=(root, *units), backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+
+
+def at(timeline: IterationTimeline, phase: Phase, unit: int) -> tuple[float, float]:
+    i = timeline.find(phase, unit)
+    return (i.start_ms, i.end_ms)
+
+
+def test_hsdp_async_by_hand() -> None:
+    t = simulate_iteration(small(), Schedule.HSDP_ASYNC)
+    # Forward: no forward prefetch, so each all-gather is issued when the previous forward ends.
+    assert at(t, Phase.FORWARD_ALL_GATHER, 1) == (0, 3) and at(t, Phase.FORWARD, 1) == (3, 4)
+    assert at(t, Phase.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Phase.FORWARD, 2) == (7, 8)
+    # Backward: the root's pre-backward issues u2's all-gather, u2's pre-backward u1's (BACKWARD_PRE).
+    assert at(t, Phase.BACKWARD_ALL_GATHER, 2) == (8, 11)
+    assert at(t, Phase.BACKWARD_ALL_GATHER, 1) == (11, 14)
+    assert at(t, Phase.BACKWARD, 2) == (11, 13)
+    # u2's reduce-scatter waits for its backward, and on the shard group for u1's all-gather.
+    assert at(t, Phase.REDUCE_SCATTER, 2) == (14, 17)
+    assert at(t, Phase.ALL_REDUCE, 2) == (17, 37)
+    assert at(t, Phase.BACKWARD, 1) == (14, 16)
+    assert at(t, Phase.REDUCE_SCATTER, 1) == (17, 20)
+    assert at(t, Phase.ALL_REDUCE, 1) == (37, 57)
+    assert t.iteration_ms == 57
+    assert t.find(Phase.ALL_REDUCE, 1).stream is Stream.ALL_REDUCE
+    assert t.find(Phase.ALL_REDUCE, 1).link is INTER and t.find(Phase.REDUCE_SCATTER, 1).link is INTRA
+
+
+def test_sync_the_next_reduce_scatter_waits_for_the_all_reduce_async_does_not() -> None:
+    sync = simulate_iteration(small(), Schedule.HSDP_SYNC)
+    assert at(sync, Phase.ALL_REDUCE, 2) == (17, 37)
+    assert at(sync, Phase.REDUCE_SCATTER, 1) == (37, 40)
+    assert at(sync, Phase.ALL_REDUCE, 1) == (40, 60)
+    assert sync.iteration_ms == 60
+    assert sync.find(Phase.ALL_REDUCE, 1).stream is Stream.POST_BACKWARD
+    asynchronous = simulate_iteration(small(), Schedule.HSDP_ASYNC)
+    assert asynchronous.find(Phase.REDUCE_SCATTER, 1).start_ms < asynchronous.find(Phase.ALL_REDUCE, 2).end_ms
+
+
+def test_fsdp_by_hand_all_gathers_and_reduce_scatters_take_turns_on_the_shard_group() -> None:
+    t = simulate_iteration(small(), Schedule.FSDP)
+    assert at(t, Phase.FORWARD_ALL_GATHER, 1) == (0, 10) and at(t, Phase.FORWARD_ALL_GATHER, 2) == (11, 21)
+    assert at(t, Phase.BACKWARD_ALL_GATHER, 2) == (22, 32)
+    assert at(t, Phase.BACKWARD_ALL_GATHER, 1) == (32, 42)
+    assert at(t, Phase.BACKWARD, 2) == (32, 34)
+    assert at(t, Phase.REDUCE_SCATTER, 2) == (42, 52)
+    assert at(t, Phase.BACKWARD, 1) == (42, 44)
+    assert at(t, Phase.REDUCE_SCATTER, 1) == (52, 62)
+    assert t.iteration_ms == 62
+    assert not any(i.phase is Phase.ALL_REDUCE for i in t.intervals)
+    assert {i.link for i in t.intervals if i.phase.is_collective} == {INTER}
+
+
+def test_fsdp_with_concurrent_collectives_shares_the_inter_node_link() -> None:
+    shared = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False))
+    # u2's reduce-scatter starts when u2's backward ends (34); u1's all-gather has 8 ms left: both
+    # at half speed until it ends at 50; the reduce-scatter's last 2 ms alone: 52.
+    assert at(shared, Phase.REDUCE_SCATTER, 2) == (34, 52)
+    assert at(shared, Phase.BACKWARD_ALL_GATHER, 1) == (32, 50)
+    assert at(shared, Phase.BACKWARD, 1) == (50, 52)
+    assert shared.iteration_ms == 62  # ideal sharing loses nothing
+    lossy = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False, contention=2))
+    # Shared, each at a quarter: the all-gather's 8 ms end at 66, the reduce-scatter's 2 left at 68.
+    assert at(lossy, Phase.BACKWARD_ALL_GATHER, 1) == (32, 66)
+    assert at(lossy, Phase.REDUCE_SCATTER, 2) == (34, 68)
+    assert lossy.iteration_ms == 78
+
+
+def test_backward_pre_prefetch_overlaps_the_next_all_gather_with_backward() -> None:
+    pre = simulate_iteration(small(), Schedule.FSDP)
+    assert pre.find(Phase.BACKWARD_ALL_GATHER, 1).start_ms < pre.find(Phase.BACKWARD, 2).end_ms
+    none = simulate_iteration(small(backward_prefetch=None), Schedule.FSDP)
+    # Each unit gathers in its own pre-backward: u1's all-gather is issued when u2's backward
+    # ends (34) and queues behind u2's reduce-scatter on the shard group.
+    assert at(none, Phase.BACKWARD_ALL_GATHER, 2) == (22, 32)
+    assert at(none, Phase.REDUCE_SCATTER, 2) == (34, 44)
+    assert at(none, Phase.BACKWARD_ALL_GATHER, 1) == (44, 54)
+    assert none.iteration_ms == 66 > pre.iteration_ms
+
+
+def test_backward_post_prefetches_before_the_reduce_scatter_as_fsdp1() -> None:
+    post = simulate_iteration(small(backward_prefetch=BackwardPrefetch.BACKWARD_POST), Schedule.FSDP)
+    assert at(post, Phase.BACKWARD_ALL_GATHER, 1) == (34, 44)
+    assert at(post, Phase.REDUCE_SCATTER, 2) == (44, 54)
+    assert post.iteration_ms == 64
+
+
+def test_forward_prefetch_issues_the_next_all_gather_before_the_forward() -> None:
+    t = simulate_iteration(small(forward_prefetch=True), Schedule.FSDP)
+    assert at(t, Phase.FORWARD_ALL_GATHER, 2) == (10, 20)
+    assert at(t, Phase.FORWARD, 1) == (10, 11) and at(t, Phase.FORWARD, 2) == (20, 21)
+
+
+def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> None:
+    for schedule in Schedule:
+        t = simulate_iteration(seed_model(), schedule)
+        assert t == simulate_iteration(seed_model(), schedule) and hash(t) == hash(simulate_iteration(seed_model(), schedule))
+        for stream in Stream:
+            mine = t.on(stream)
+            assert all(a.end_ms <= b.start_ms for a, b in zip(mine, mine[1:]))
+        assert t.iteration_ms == max(i.end_ms for i in t.intervals)
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "fragment"),
+    [
+        (lambda: CollectiveCosts(all_gather_intra_ms=-1, all_gather_inter_ms=0, reduce_scatter_intra_ms=0,
+                                 reduce_scatter_inter_ms=0, all_reduce_inter_ms=0), ValueError, "all_gather_intra_ms"),
+        (lambda: UnitCosts(name="u", forward_ms=float("nan"), backward_ms=0, collectives=NOTHING), ValueError,
+         "forward_ms"),
+        (lambda: UnitCosts(name="", forward_ms=0, backward_ms=0, collectives=NOTHING), ValueError, "name"),
+        (lambda: IterationModel(units=()), TypeError, "units"),
+        (lambda: IterationModel(units=(small().units[1], small().units[1])), ValueError, "unique"),
+        (lambda: LinkModel(contention=0.5), ValueError, "contention"),
+        (lambda: LinkModel(inter_node_bandwidth=0), ValueError, "inter_node_bandwidth"),
+        (lambda: LinkModel(intra_node_bandwidth=float("inf")), ValueError, "intra_node_bandwidth"),
+        (lambda: Schedule.parse("ddp"), ValueError, "schedule"),
+    ],
+)
+def test_bad_inputs_fail_at_construction(build: object, error: type[Exception], fragment: str) -> None:
+    assert callable(build)
+    with pytest.raises(error, match=fragment):
+        build()
+
+
+def test_schedule_parse() -> None:
+    assert Schedule.parse("hsdp-async") is Schedule.HSDP_ASYNC and Schedule.parse(" FSDP ") is Schedule.FSDP
+
+
+# -- the seed's table -------------------------------------------------------------------------
+
+
+def test_all_four_seed_numbers_within_ten_percent_in_the_seed_order() -> None:
+    results = seed_calibration().results
+    assert [r.row.key for r in results] == ["fsdp", "hsdp_sync", "hsdp_async", "hsdp_async_cross_nic"]
+    for r in results:
+        assert abs(r.ratio - 1) <= 0.10, (r.row.key, r.simulated_ms, r.row.seed_ms)
+    times = [r.simulated_ms for r in results]
+    assert times[0] > times[1] > times[2] > times[3]
+
+
+def test_two_parameters_are_fitted_to_two_numbers_and_reproduce_them() -> None:
+    fitted = {r.row.key: r.row.fitted for r in seed_calibration().results}
+    assert fitted == {"fsdp": None, "hsdp_sync": None, "hsdp_async": "encoder_forward_ms",
+                      "hsdp_async_cross_nic": "cross_nic_bandwidth_factor"}
+    for r in seed_calibration().results:
+        if r.row.fitted is not None:
+            assert r.ratio == pytest.approx(1, abs=2e-4)
+
+
+def test_the_fitted_parameters_are_what_the_code_says() -> None:
+    fit = fit_seed()
+    assert round(fit.encoder_forward_ms, 4) == SEED_PARAMETERS.encoder_forward_ms == 1.4563
+    assert round(fit.cross_nic_bandwidth_factor, 4) == SEED_PARAMETERS.cross_nic_bandwidth_factor == 1.0874
+    # The others are a priori, not fitted.
+    a_priori = SeedParameters(encoder_forward_ms=0, cross_nic_bandwidth_factor=1)
+    for name in ("backward_per_forward", "decoder_per_encoder_compute", "contention"):
+        assert getattr(fit, name) == getattr(SEED_PARAMETERS, name) == getattr(a_priori, name)
+    assert (SEED_PARAMETERS.backward_per_forward, SEED_PARAMETERS.contention) == (2.0, 1.0)
+    assert SEED_PARAMETERS.decoder_per_encoder_compute == 40 / 23
+
+
+def test_no_two_collectives_share_a_link_in_the_seed_rows_so_contention_has_no_effect() -> None:
+    base = seed_calibration()
+    for r in base.results:
+        for link in Link:
+            busy = sorted((i.start_ms, i.end_ms) for i in r.timeline.intervals if i.link is link and i.duration_ms > 0)
+            assert all(a[1] <= b[0] for a, b in zip(busy, busy[1:]))
+    lossy = seed_calibration(dataclasses.replace(SEED_PARAMETERS, contention=3.0))
+    assert [r.simulated_ms for r in lossy.results] == [r.simulated_ms for r in base.results]
+
+
+def test_seed_model_shape() -> None:
+    model = seed_model()
+    assert [u.name for u in model.units] == ["root", *(f"enc{i}" for i in range(6)), *(f"dec{i}" for i in range(6))]
+    enc, dec = model.units[1], model.units[7]
+    assert enc.forward_ms == SEED_PARAMETERS.encoder_forward_ms and enc.backward_ms == 2 * enc.forward_ms
+    assert dec.forward_ms == pytest.approx(enc.forward_ms * 40 / 23)
+    assert (enc.collectives.all_gather_inter_ms, dec.collectives.all_reduce_inter_ms) == (23, 55)
+    assert model.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and not model.forward_prefetch
+    assert len(SEED_ROWS) == 4
+
+
+def test_seed_table_text() -> None:
+    text = format_seed_table(seed_calibration())
+    assert "FSDP (FULL_SHARD, 32 GPUs)    1160" in text
+    assert text.count("predicted") == 2 and "fitted: encoder_forward_ms" in text
+    assert "no two collectives share a link" in text and "refitted" not in text
+    other = format_seed_table(seed_calibration(one_collective_per_group=False))
+    assert "one_collective_per_group=False" in other and "nothing refitted" in other
+
+
+# -- calibration from measurements --------------------------------------------------------------
+
+
+def sample(collective: Collective, link: Link, nbytes: int, ms: float) -> CollectiveSample:
+    return CollectiveSample(collective=collective, link=link, nbytes=nbytes, ms=ms)
+
+
+def test_fit_affine_recovers_latency_and_bandwidth() -> None:
+    # 0.5 ms + 1 ms per 50 kB (400 Mbit/s).
+    points = [sample(Collective.ALL_GATHER, INTER, n, 0.5 + n / 50_000) for n in (100_000, 1_000_000, 4_000_000)]
+    fit = fit_affine(points)
+    assert fit.latency_ms == pytest.approx(0.5) and fit.ms_per_byte == pytest.approx(1 / 50_000)
+    assert fit.ms(0) == 0 and fit.ms(2_000_000) == pytest.approx(40.5)
+    assert fit_affine(list(reversed(points))) == fit
+
+
+def test_fit_affine_one_size_and_negative_latency_go_through_the_origin() -> None:
+    one = fit_affine([sample(Collective.ALL_REDUCE, INTER, 1000, 2.0), sample(Collective.ALL_REDUCE, INTER, 1000, 4.0)])
+    assert (one.latency_ms, one.ms_per_byte) == (0.0, 3.0 / 1000)
+    negative = fit_affine([sample(Collective.ALL_REDUCE, INTER, 1000, 1.0), sample(Collective.ALL_REDUCE, INTER, 2000, 3.0)])
+    assert negative.latency_ms == 0.0 and negative.ms_per_byte == pytest.approx(7.0 / 5000)
+    flat = fit_affine([sample(Collective.ALL_REDUCE, INTER, 1000, 3.0), sample(Collective.ALL_REDUCE, INTER, 2000, 1.0)])
+    assert (flat.latency_ms, flat.ms_per_byte) == (2.0, 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        fit_affine([])
+
+
+def test_fit_collectives_names_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="reduce_scatter on intra_node, reduce_scatter on inter_node, all_reduce on inter_node"):
+        fit_collectives([sample(Collective.ALL_GATHER, INTRA, 10, 1.0), sample(Collective.ALL_GATHER, INTER, 10, 1.0)])
+
+
+def emulated_cluster() -> Measurements:
+    """Synthetic numbers shaped like the later benchmark: 2 nodes x 2 ranks, 400 Mbit/s between."""
+    samples = []
+    for n in (1_000_000, 4_000_000):
+        samples += [
+            sample(Collective.ALL_GATHER, INTRA, n, 0.1 + n / 2e6),
+            sample(Collective.REDUCE_SCATTER, INTRA, n, 0.2 + n / 2e6),
+            sample(Collective.ALL_GATHER, INTER, n, 1.0 + n / 5e4),
+            sample(Collective.REDUCE_SCATTER, INTER, n, 1.5 + n / 5e4),
+            sample(Collective.ALL_REDUCE, INTER, n // 2, 2.0 + n / 5e4),
+            sample(Collective.ALL_REDUCE, INTRA, n, 99.0),  # not needed: ignored
+        ]
+    units = (MeasuredUnit(name="root", param_bytes=2_000_001, forward_ms=3.0, backward_ms=6.0),
+             *(MeasuredUnit(name=f"layer{i}", param_bytes=4_000_000, forward_ms=5.0, backward_ms=10.0) for i in range(2)))
+    return Measurements(units=units, samples=tuple(samples), ranks_per_node=2)
+
+
+def test_model_from_measurements_prices_each_unit_at_its_size() -> None:
+    model = model_from_measurements(emulated_cluster())
+    root, layer = model.units[0], model.units[1]
+    assert (layer.forward_ms, layer.backward_ms) == (5.0, 10.0)
+    c = layer.collectives
+    assert c.all_gather_intra_ms == pytest.approx(0.1 + 2.0)
+    assert c.reduce_scatter_intra_ms == pytest.approx(0.2 + 2.0)
+    assert c.all_gather_inter_ms == pytest.approx(1.0 + 80.0)
+    assert c.reduce_scatter_inter_ms == pytest.approx(1.5 + 80.0)
+    # The all-reduce reduces one shard: 4e6 / 2 ranks per node = 2e6 bytes, at 1 ms per 25 kB.
+    assert c.all_reduce_inter_ms == pytest.approx(2.0 + 80.0)
+    # ceil(2_000_001 / 2) = 1_000_001 bytes.
+    assert root.collectives.all_reduce_inter_ms == pytest.approx(2.0 + 1_000_001 / 2.5e4)
+    hand = IterationModel(units=tuple(UnitCosts(name=u.name, forward_ms=u.forward_ms, backward_ms=u.backward_ms,
+                                                collectives=u.collectives) for u in model.units))
+    for schedule in Schedule:
+        assert simulate_iteration(model, schedule) == simulate_iteration(hand, schedule)
+    # On a 400 Mbit/s link the replicate all-reduces dominate: async overlaps them with backward.
+    times = {s: simulate_iteration(model, s).iteration_ms for s in Schedule}
+    assert times[Schedule.HSDP_SYNC] > times[Schedule.HSDP_ASYNC]
+
+
+def test_measurements_validate() -> None:
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Measurements(units=emulated_cluster().units, samples=(), ranks_per_node=0)
+    with pytest.raises(ValueError, match="nbytes"):
+        sample(Collective.ALL_GATHER, INTER, 0, 1.0)
+    with pytest.raises(ValueError, match="param_bytes"):
+        MeasuredUnit(name="u", param_bytes=-1, forward_ms=0, backward_ms=0)
+
+
+# -- renderings ---------------------------------------------------------------------------------
+
+
+def test_format_iteration_rows_and_width() -> None:
+    t = simulate_iteration(small(), Schedule.HSDP_ASYNC)
+    text = format_iteration(t, width=57)
+    lines = text.splitlines()
+    assert lines[0].startswith("hsdp_async: 57.0 ms per iteration, one column = 1.00 ms")
+    assert lines[-1].startswith("  g/G forward/backward all-gather")
+    rows = {line.split("|")[0].strip(): line.split("|")[1] for line in lines[1:-1]}
+    assert list(rows) == ["compute", "all_gather", "post_backward", "all_reduce", "intra_node", "inter_node"]
+    assert all(len(row) == 57 for row in rows.values())
+    # u2's all-reduce runs 17-37 ms and u1's 37-57: one column per ms.
+    assert rows["all_reduce"] == " " * 17 + "A" * 40
+    assert rows["compute"][3] == "f" and rows["compute"][11:13] == "bb"
+    with pytest.raises(ValueError, match="width"):
+        format_iteration(t, width=5)
+
+
+def test_format_iteration_counts_collectives_sharing_a_link() -> None:
+    t = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False))
+    row = next(line for line in format_iteration(t, width=62).splitlines() if line.startswith("  inter_node"))
+    assert row.split("|")[1][34:50] == "2" * 16
+
+
+def test_iteration_to_trace() -> None:
+    t = simulate_iteration(small(), Schedule.HSDP_SYNC)
+    trace = iteration_to_trace(t, name="small")
+    assert json.loads(json.dumps(trace)) == trace
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and trace["displayTimeUnit"] == "ms"
+    complete = [e for e in events if isinstance(e, dict) and e["ph"] == "X"]
+    assert len(complete) == len(t.intervals)
+    names = [e["args"] for e in events if isinstance(e, dict) and e["name"] in ("process_name", "thread_name")]
+    assert names == [{"name": n} for n in ("small", "compute", "all_gather", "post_backward", "all_reduce")]
+    ar = next(e for e in complete if e["name"] == "u1 all_reduce")
+    assert (ar["ts"], ar["dur"]) == (40_000.0, 20_000.0)
+    counters = [e for e in events if isinstance(e, dict) and e["ph"] == "C"]
+    assert {e["name"] for e in counters} == {"intra_node collectives", "inter_node collectives"}
+    assert all(isinstance(e["args"], dict) and e["args"]["active"] in (0, 1) for e in counters)
+
+
+def test_phase_marks_cover_every_phase() -> None:
+    assert set(PHASE_MARKS) == set(Phase) and len(set(PHASE_MARKS.values())) == len(Phase)
