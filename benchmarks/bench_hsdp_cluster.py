@@ -131,7 +131,101 @@ def seed_table(rank: int, world: int, arg: tuple[int, int, str | None, tuple[int
     return times
 
 
-def _report(per_rank: list[dict[str, list[float]]], rounds: int) -> None:
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[list[tuple[str, str, int, float]],
+                                                                              list[tuple[str, int, float, float]]]:
+    """What the simulator needs, timed on this cluster: every collective FSDP issues, alone, at
+    two sizes (a block's flat parameter and a quarter of it), as the runtime issues it (gloo
+    reduce-scatters as ``collectives.gloo_reduce_scatter``); and each unit's forward and
+    backward compute on one rank. Returns (collective, link, bytes, ms) and (unit, bytes,
+    forward ms, backward ms)."""
+    from fsdp_shell.collectives import all_gather_flat, gloo_reduce_scatter
+
+    repeats, shape = arg
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    groups = {"intra_node": mesh.get_group(1), "inter_node": dist.group.WORLD}
+    replicate = mesh.get_group(0)
+    block_numel = sum(p.numel() for p in nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, batch_first=True).parameters())
+    samples = []
+    for numel in (block_numel, block_numel // 4):
+        for link, group in groups.items():
+            assert isinstance(group, dist.ProcessGroup)
+            size = group.size()
+            padded = -(-numel // size) * size
+            full, shard = torch.randn(padded), torch.randn(padded // size)
+
+            def gather() -> None:
+                work = all_gather_flat(full, shard, group, async_op=True)
+                assert work is not None
+                work.wait()
+
+            samples.append(("all_gather", link, padded * 4, _median_ms(gather, repeats)))
+            samples.append(("reduce_scatter", link, padded * 4, _median_ms(
+                lambda: gloo_reduce_scatter(torch.empty(padded // size), full, group, may_overwrite_src=False)(),
+                repeats)))
+        part = torch.randn(-(-numel // 2))
+        samples.append(("all_reduce", "inter_node", part.numel() * 4, _median_ms(
+            lambda: dist.all_reduce(part, group=replicate), repeats)))
+    return samples, _unit_compute(_build("ours-hybrid-async", mesh), repeats, shape, rank)
+
+
+def _unit_compute(model: nn.Module, steps: int, shape: tuple[int, int], rank: int) -> list[tuple[str, int, float, float]]:
+    """Each unit's forward and backward compute as it runs inside training on this cluster
+    (so with the other ranks' compute and the collectives competing for the cores): wall time
+    inside each block's forward and from its output's gradient to its input's, medians over
+    ``steps`` steps; the root is what the step takes outside the blocks' forwards."""
+    blocks = [m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)]
+    marks: dict[tuple[int, str], list[float]] = {}
+
+    def mark(i: int, what: str) -> Callable[..., None]:
+        return lambda *_: marks.setdefault((i, what), []).append(time.perf_counter())
+
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(mark(i, "f0"))
+        block.register_forward_hook(mark(i, "f1"))
+        block.register_full_backward_pre_hook(mark(i, "b0"))
+        block.register_full_backward_hook(mark(i, "b1"))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        _step(model, opt, step, rank, shape)
+
+    def span(i: int, a: str, b: str) -> float:
+        return statistics.median(e - s for s, e in zip(marks[(i, a)], marks[(i, b)])) * 1e3
+
+    numel = sum(p.numel() for p in nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, batch_first=True).parameters())
+    root_numel = (32 + 1) * D_MODEL + D_MODEL + 1
+    return [("root", root_numel * 4, 0.0, 0.0)] + [
+        (f"block{i}", numel * 4, span(i, "f0", "f1"), span(i, "b0", "b1")) for i in range(len(blocks))]
+
+
+def _predict(samples: list[tuple[str, str, int, float]], units: list[tuple[str, int, float, float]]) -> dict[str, float]:
+    """Simulated ms/iteration of our three configurations from the calibration."""
+    from fsdp_core import (Collective, CollectiveSample, Link, MeasuredUnit, Measurements, Schedule,
+                           model_from_measurements, simulate_iteration)
+
+    measured = Measurements(
+        units=tuple(MeasuredUnit(name=n, param_bytes=b, forward_ms=f, backward_ms=bw) for n, b, f, bw in units),
+        samples=tuple(CollectiveSample(collective=Collective(c), link=Link(link), nbytes=b, ms=ms)
+                      for c, link, b, ms in samples),
+        ranks_per_node=2,
+    )
+    model = model_from_measurements(measured)
+    return {config: simulate_iteration(model, schedule).iteration_ms for config, schedule in
+            (("ours-full", Schedule.FSDP), ("ours-hybrid-sync", Schedule.HSDP_SYNC),
+             ("ours-hybrid-async", Schedule.HSDP_ASYNC))}
+
+
+def _report(per_rank: list[dict[str, list[float]]], rounds: int) -> dict[str, float]:
     worst = {c: [max(r[c][i] for r in per_rank) * 1e3 for i in range(rounds)] for c in CONFIGS}
     med = {c: statistics.median(v) for c, v in worst.items()}
     for c in CONFIGS:
@@ -146,6 +240,7 @@ def _report(per_rank: list[dict[str, list[float]]], rounds: int) -> None:
     print(f"  async HSDP / FSDP (ours): {ratio('ours-hybrid-async', 'ours-full')}   (seed: 597/1160 = 0.51)")
     print(f"  async HSDP / FSDP1 HSDP:  {ratio('ours-hybrid-async', 'fsdp1-hybrid')}")
     print(f"  sync HSDP / FSDP1 HSDP:   {ratio('ours-hybrid-sync', 'fsdp1-hybrid')}")
+    return med
 
 
 def main() -> None:
@@ -157,17 +252,21 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
     parser.add_argument("--trace", default=None, help="write per-rank Perfetto traces of one sync and one async step")
     parser.add_argument("--loopback", action="store_true", help="plain loopback, no emulated link (smoke test)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="also time every collective alone and each unit's compute, and print what the "
+                             "iteration simulator (fsdp_core.simulate_iteration) predicts beside the measurements")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     trace = None if args.trace is None else str(Path(args.trace).resolve())
     if trace is not None:
         Path(trace).mkdir(parents=True, exist_ok=True)
-    arg = (args.rounds, args.warmup, trace, (args.batch, args.seq))
-    run: Callable[[], list[dict[str, list[float]]]]
+    shape = (args.batch, args.seq)
+    arg = (args.rounds, args.warmup, trace, shape)
+    run: Callable[[Callable[[int, int, object], object], object], list[object]]
     if args.loopback:
         from tests.dist_harness import run_world
 
-        run = lambda: run_world(4, seed_table, arg, timeout=3600)  # noqa: E731
+        run = lambda fn, a: run_world(4, fn, a, timeout=3600)  # noqa: E731
         where = "plain loopback, 4 ranks"
     else:
         from benchmarks.cluster import cluster_available, run_on_cluster
@@ -175,11 +274,20 @@ def main() -> None:
         reason = cluster_available()
         if reason is not None:
             sys.exit(f"bench_hsdp_cluster: {reason}")
-        run = lambda: run_on_cluster(seed_table, arg, rate_mbit=args.rate, ranks_per_node=2, timeout=3600)  # noqa: E731
+        run = lambda fn, a: run_on_cluster(fn, a, rate_mbit=args.rate, ranks_per_node=2, timeout=3600)  # noqa: E731
         where = f"2 nodes x 2 ranks, {args.rate:g} Mbit/s between the nodes"
     print(f"{where}; {BLOCKS} encoder blocks of 0.79 M parameters, batch {args.batch} x {args.seq}; "
           f"{args.rounds} interleaved rounds after {args.warmup} warm-up; median of per-round worst-rank times")
-    _report(run(), args.rounds)
+    measured = _report(run(seed_table, arg), args.rounds)  # type: ignore[arg-type]
+    if args.calibrate:
+        samples, units = run(calibrate, (9, shape))[0]  # type: ignore[arg-type,misc]
+        print("  calibration (rank 0, each alone, median of 9): " + "; ".join(
+            f"{c} {link} {b / 2**20:.2f} MiB {ms:.1f} ms" for c, link, b, ms in samples))
+        print("  compute per unit (fwd/bwd ms): " + ", ".join(f"{n} {f:.1f}/{bw:.1f}" for n, _, f, bw in units))
+        predicted = _predict(samples, units)
+        for config, ms in predicted.items():
+            print(f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
+                  f"simulated/measured {ms / measured[config]:.2f}")
     if trace is not None:
         print(f"  traces: {trace}/ours-hybrid-{{sync,async}}-rank<r>.json (open in ui.perfetto.dev)")
 

@@ -45,6 +45,7 @@ ACTION_CONSUMERS = {
     ("fsdp_core/unshard_verifier.py", "act"),
     ("fsdp_core/timeline.py", "hook_actions"),
     ("fsdp_shell/unshard.py", "run"),
+    ("fsdp_core/iteration.py", "hook"),
 }
 """Every consumer of ``UnshardAction``."""
 
