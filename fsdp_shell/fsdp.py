@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -24,15 +23,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fsdp_core import (
     RESHARD_AFTER_FORWARD_STRATEGIES,
     BackwardPrefetch,
-    CommHook,
-    CPUOffload,
-    Division,
     DivisionPolicy,
     FlatParamLayout,
     HybridAllReduce,
-    Group,
-    MixedPrecision,
-    PlanCache,
     PlanRequest,
     ShardingSpec,
     ShardingStrategy,
@@ -40,106 +33,15 @@ from fsdp_core import (
     UnshardEvent,
     step_flags,
 )
+from fsdp_shell.collective_log import CollectiveRecord, Phase
 from fsdp_shell.comm_hooks import builtin_kind
-from fsdp_shell.compat import (
-    to_backward_prefetch,
-    to_cpu_offload,
-    to_division_policy,
-    to_hybrid_all_reduce,
-    to_mixed_precision,
-    to_sharding_strategy,
-)
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
-from fsdp_shell.groups import ProcessGroups, duplicate_group, resolve_groups
+from fsdp_shell.interpreter import PlanRun
+from fsdp_shell.runtime import CudaRuntime
+from fsdp_shell.tree import Tree, WrapPolicy, make_tree, parse_options
 from fsdp_shell.unshard import UnshardRunner
-from fsdp_shell.collective_log import CollectiveLog, CollectiveRecord, Phase
-from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun
-from fsdp_shell.runtime import CpuRuntime, CudaRuntime, Runtime
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
-
-WrapPolicy = Callable[[nn.Module], bool]
-
-
-@dataclass
-class _Tree:
-    """State shared by every unit of one FSDP tree, owned by the root."""
-
-    strategy: ShardingStrategy
-    mixed_precision: MixedPrecision
-    offload: CPUOffload
-    use_orig_params: bool
-    groups: ProcessGroups
-    device: torch.device
-    ctx: ExecContext
-    param_names: dict[int, str]
-    division: Division
-    hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC
-    units: list[FullyShardedDataParallel] = field(default_factory=list)
-    comm_hook: CommHookFn | None = None
-    comm_hook_kind: CommHook = CommHook.NONE
-    sync_gradients: bool = True
-    requires_all_reduce: bool = True
-    backward_started: bool = False
-    runs: list[PlanRun] = field(default_factory=list)
-    buffers: list[tuple[str, nn.Module, str]] = field(default_factory=list)
-    plans: PlanCache = field(default_factory=lambda: PlanCache(verify=True))
-    """Every post-backward plan of the tree, verified once when first built."""
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool = False
-    unshard: UnshardRunner | None = None
-    """The all-gather schedule, made once the root knows every unit."""
-
-    def gathers(self) -> UnshardRunner:
-        """The all-gather schedule (set at the end of the root's construction)."""
-        assert self.unshard is not None
-        return self.unshard
-
-
-def _policy(auto_wrap_policy: object) -> WrapPolicy | None:
-    if auto_wrap_policy is None:
-        return None
-    classes = getattr(auto_wrap_policy, "_module_classes", None)
-    if classes is not None:
-        auto_wrap_policy = set(classes)
-    if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
-        kinds = tuple(auto_wrap_policy)
-        if not all(isinstance(k, type) and issubclass(k, nn.Module) for k in kinds):
-            raise TypeError("auto_wrap_policy: a set must hold nn.Module classes")
-        return lambda m: isinstance(m, kinds)
-    if callable(auto_wrap_policy):
-        policy = auto_wrap_policy
-        return lambda m: bool(policy(m))
-    raise TypeError(
-        "auto_wrap_policy: expected None, a set of nn.Module classes, a callable(module) -> bool, "
-        f"or torch's ModuleWrapPolicy; got {auto_wrap_policy!r}"
-    )
-
-
-def _device(device_id: object, groups: ProcessGroups) -> torch.device:
-    if device_id is None:
-        if groups.backend == "nccl" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    if isinstance(device_id, int) and not isinstance(device_id, bool):
-        return torch.device("cuda", device_id)
-    if isinstance(device_id, torch.device):
-        return device_id
-    raise TypeError(f"device_id: expected None, an int or a torch.device, got {device_id!r}")
-
-
-def _runtime(device: torch.device, log: CollectiveLog, *, lane_issues_shard: bool) -> Runtime:
-    """CUDA streams for the plan streams on a GPU; the host thread and the lane on the CPU
-    (where the lane may also issue shard-group reductions when the all-gathers have a group of
-    their own: then a reduction queued behind a sync all-reduce does not block the host)."""
-    if device.type != "cuda":
-        return CpuRuntime(log, lane_may_issue=frozenset({Group.SHARD}) if lane_issues_shard else frozenset())
-    with torch.cuda.device(device):
-        streams: dict[Stream, torch.cuda.Stream] = {Stream.COMPUTE: torch.cuda.current_stream()}
-        for s in Stream:
-            if s is not Stream.COMPUTE:
-                streams[s] = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch.cuda.Stream is unannotated
-        return CudaRuntime(streams)
 
 
 def _cast_floating(x: object, dtype: torch.dtype) -> object:
@@ -208,7 +110,7 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         division_policy: object = DivisionPolicy.PRE_POST,
         hybrid_all_reduce: object = HybridAllReduce.ASYNC,
-        _tree: _Tree | None = None,
+        _tree: Tree | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -217,15 +119,16 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("module: already wrapped in FullyShardedDataParallel")
         self._is_root = _tree is None
         if _tree is None:
-            _tree = self._make_tree(module, process_group, sharding_strategy, cpu_offload, mixed_precision,
-                                    device_id, use_orig_params, device_mesh, division_policy, hybrid_all_reduce)
-            _tree.backward_prefetch = to_backward_prefetch(backward_prefetch)
-            if not isinstance(forward_prefetch, bool):
-                raise TypeError(f"forward_prefetch: expected a bool, got {forward_prefetch!r}")
-            _tree.forward_prefetch = forward_prefetch
-            policy = _policy(auto_wrap_policy)
-            if policy is not None:
-                self._wrap_children(module, policy, _tree)
+            options = parse_options(
+                sharding_strategy=sharding_strategy, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
+                mixed_precision=mixed_precision, use_orig_params=use_orig_params,
+                backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                division_policy=division_policy, hybrid_all_reduce=hybrid_all_reduce,
+            )
+            _tree = make_tree(module, options, process_group=process_group, device_mesh=device_mesh,
+                              device_id=device_id)
+            if options.wrap is not None:
+                self._wrap_children(module, options.wrap, _tree)
         self._tree = _tree
         self.module = module
         self._pre_backward_ran = False
@@ -245,54 +148,7 @@ class FullyShardedDataParallel(nn.Module):
     # -- construction --------------------------------------------------------------------------
 
     @staticmethod
-    def _make_tree(
-        module: nn.Module, process_group: object, sharding_strategy: object, cpu_offload: object,
-        mixed_precision: object, device_id: object, use_orig_params: object, device_mesh: object,
-        division_policy: object, hybrid_all_reduce: object,
-    ) -> _Tree:
-        strategy = to_sharding_strategy(sharding_strategy)
-        placement = to_hybrid_all_reduce(hybrid_all_reduce)
-        if placement is HybridAllReduce.SYNC and not strategy.is_hybrid:
-            raise ValueError(f"hybrid_all_reduce: 'sync' places the replicate all-reduce of hybrid strategies; "
-                             f"{strategy.name} has none (leave it 'async')")
-        mp = to_mixed_precision(mixed_precision)
-        offload = to_cpu_offload(cpu_offload)
-        if not isinstance(use_orig_params, bool):
-            raise TypeError(f"use_orig_params: expected a bool, got {use_orig_params!r}")
-        probe = torch.device(device_id) if isinstance(device_id, torch.device) else None
-        device_type = probe.type if probe is not None else ("cuda" if isinstance(device_id, int) else "cpu")
-        groups = resolve_groups(strategy, process_group, device_mesh, device_type)
-        device = _device(device_id, groups)
-        own_gathers = placement is HybridAllReduce.SYNC and device.type != "cuda"
-        if own_gathers:
-            groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
-        names: dict[int, str] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if id(p) in names:
-                raise ValueError(
-                    f"module: parameter {name} is shared with {names[id(p)]}; shared parameters are not supported"
-                )
-            names[id(p)] = name
-        module.to(device)
-        log = CollectiveLog()
-        ctx = ExecContext(
-            groups={Group.SHARD: groups.shard, **({Group.REPLICATE: groups.replicate} if groups.replicate else {})},
-            runtime=_runtime(device, log, lane_issues_shard=own_gathers),
-            log=log,
-            gloo_reduce_scatter=groups.backend == "gloo",
-        )
-        tree = _Tree(strategy=strategy, mixed_precision=mp, offload=offload, use_orig_params=use_orig_params,
-                     groups=groups, device=device, ctx=ctx, param_names=names,
-                     division=Division(policy=to_division_policy(division_policy), backend=groups.caps),
-                     hybrid_all_reduce=placement)
-        for mod_name, mod in module.named_modules():
-            for buf_name in mod._buffers:
-                if mod._buffers[buf_name] is not None:
-                    tree.buffers.append((f"{mod_name}.{buf_name}" if mod_name else buf_name, mod, buf_name))
-        return tree
-
-    @staticmethod
-    def _wrap_children(module: nn.Module, policy: WrapPolicy, tree: _Tree) -> None:
+    def _wrap_children(module: nn.Module, policy: WrapPolicy, tree: Tree) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, FullyShardedDataParallel):
                 continue
@@ -316,7 +172,7 @@ class FullyShardedDataParallel(nn.Module):
         visit(module)
         return out
 
-    def _make_handle(self, module: nn.Module, tree: _Tree) -> FlatParamHandle | None:
+    def _make_handle(self, module: nn.Module, tree: Tree) -> FlatParamHandle | None:
         owned = self._owned_params(module, tree.param_names)
         if not owned:
             return None

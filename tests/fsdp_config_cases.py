@@ -94,4 +94,6 @@ def torch_config_objects(rank: int, world: int, _: None) -> dict[str, str]:
     out = model(torch.randn(2, 4))
     out.float().sum().backward()
     wrapped = sum(isinstance(m, FSDP) for m in model.modules())
-    return {"strategy": model.sharding_strategy.name, "out_dtype": str(out.dtype), "units": str(wrapped)}
+    default = FSDP(nn.Linear(4, 4), sharding_strategy=None).sharding_strategy  # FSDP1's way of saying the default
+    return {"strategy": model.sharding_strategy.name, "out_dtype": str(out.dtype), "units": str(wrapped),
+            "none_strategy": default.name}
