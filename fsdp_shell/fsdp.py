@@ -1,12 +1,14 @@
 """``FullyShardedDataParallel``: FSDP1's wrapper, with the post-backward run from verified plans.
 
 Each unit flattens the parameters its module owns (not those of nested units) into one
-``FlatParamHandle``. Forward all-gathers, runs the module on autograd views of the unsharded
-flat parameter, and reshards for ``FULL_SHARD``/``HYBRID_SHARD``. A hook on the forward's
-outputs re-gathers before the unit's backward. A post-accumulate-grad hook on the flat
-parameter looks up the cached plan for (unit, step flags) and runs its hook part; a callback
-queued on the autograd engine runs the deferred part of every plan, waits for the side streams
-and reshards what is left.
+``FlatParamHandle``. Every hook runs the tree's all-gather schedule for its event
+(``fsdp_shell.unshard``): forward gathers (and prefetches), runs the module on views of the
+unsharded flat parameter and reshards for ``FULL_SHARD``/``HYBRID_SHARD``; a hook on the
+forward's outputs gathers before the unit's backward. A post-accumulate-grad hook on the flat
+parameter asks the tree's verifying plan cache for the plan of this unit's request and step
+flags (from its carried gradient state) and runs its hook part; a callback queued on the
+autograd engine runs the deferred part of every plan, waits for the side streams (on CPU: the
+lane) and reshards what is left. Construction is in ``fsdp_shell.tree``.
 """
 
 from __future__ import annotations
