@@ -9,8 +9,15 @@ A benchmark times each collective alone, at one or more sizes, on the groups FSD
 and each unit's forward and backward compute. ``fit_affine`` fits ``latency + bytes * ms_per_byte``
 to each collective's samples; ``model_from_measurements`` prices every unit's collectives with
 those fits (all-gather and reduce-scatter of its whole flat parameter, all-reduce of one shard of
-it) and returns the ``IterationModel`` that ``simulate_iteration`` runs. Nothing is fitted to
-iteration times, so a measured iteration time can be compared with the prediction.
+it) and returns the ``IterationModel`` that ``simulate_iteration`` runs.
+
+Where collectives slow each other or are slowed by compute (ranks sharing processor cores with
+their communication), the benchmark also times collectives beside a load: ``SlowdownSample``
+(a collective alone and beside a collective on the other link, or beside every rank's compute)
+and ``SharingSample`` (two collectives of one link issued together). ``links_from_measurements``
+turns them into the ``LinkModel``'s ``cross_link_slowdown``, ``compute_slowdown`` and
+``contention``. Nothing is fitted to iteration times, so a measured iteration time can be
+compared with the prediction.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from fsdp_core.config import BackwardPrefetch
-from fsdp_core.iteration import CollectiveCosts, IterationModel, UnitCosts
+from fsdp_core.iteration import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
 from fsdp_core.link_sim import Link
 
 __all__ = [
@@ -29,10 +36,14 @@ __all__ = [
     "Collective",
     "CollectiveFits",
     "CollectiveSample",
+    "Load",
     "MeasuredUnit",
     "Measurements",
+    "SharingSample",
+    "SlowdownSample",
     "fit_affine",
     "fit_collectives",
+    "links_from_measurements",
     "model_from_measurements",
 ]
 
@@ -65,7 +76,7 @@ class CollectiveSample:
     """The size FSDP passes: for all-gather the gathered (unsharded) output, for reduce-scatter
     the unsharded input, for all-reduce the tensor reduced (one shard)."""
     ms: float
-    """Its time alone, e.g. the median of several runs."""
+    """Its time alone, e.g. the mean of several runs."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.collective, Collective):
@@ -150,6 +161,55 @@ def fit_collectives(samples: Sequence[CollectiveSample]) -> CollectiveFits:
                           reduce_scatter_inter=fits["reduce_scatter_inter"], all_reduce_inter=fits["all_reduce_inter"])
 
 
+class Load(enum.Enum):
+    """What runs beside a collective timed under load."""
+
+    OTHER_LINK = "other_link"
+    """A collective on the other link: an intra-node one beside the replicate all-reduce across
+    nodes, or that all-reduce beside intra-node traffic."""
+    COMPUTE = "compute"
+    """Every rank computing (a unit's forward and backward, over and over)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlowdownSample:
+    """``collective`` on ``link`` took ``alone_ms`` alone and ``loaded_ms`` beside ``load``."""
+
+    collective: Collective
+    link: Link
+    load: Load
+    alone_ms: float
+    loaded_ms: float
+    """Both e.g. means of several runs, of the same collective at the same size."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collective, Collective):
+            raise TypeError(f"SlowdownSample.collective: expected a Collective, got {self.collective!r}")
+        if not isinstance(self.link, Link):
+            raise TypeError(f"SlowdownSample.link: expected a Link, got {self.link!r}")
+        if not isinstance(self.load, Load):
+            raise TypeError(f"SlowdownSample.load: expected a Load, got {self.load!r}")
+        _check_nonnegative("SlowdownSample", "alone_ms", self.alone_ms)
+        _check_nonnegative("SlowdownSample", "loaded_ms", self.loaded_ms)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharingSample:
+    """Two collectives on ``link`` took ``first_ms`` and ``second_ms`` alone; issued together
+    (both in flight at once), the later of the two landed after ``together_ms``."""
+
+    link: Link
+    first_ms: float
+    second_ms: float
+    together_ms: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.link, Link):
+            raise TypeError(f"SharingSample.link: expected a Link, got {self.link!r}")
+        for name in ("first_ms", "second_ms", "together_ms"):
+            _check_nonnegative("SharingSample", name, getattr(self, name))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeasuredUnit:
     """One FSDP unit as measured."""
@@ -179,6 +239,10 @@ class Measurements:
     ranks_per_node: int
     """HSDP's shard group size: its replicate all-reduce reduces ``ceil(param_bytes / ranks_per_node)``
     bytes."""
+    slowdowns: tuple[SlowdownSample, ...] = ()
+    """Collectives timed alone and beside a load (``links_from_measurements``); none: no slowdown."""
+    sharing: tuple[SharingSample, ...] = ()
+    """Pairs of collectives of one link timed alone and together; none: ideal sharing."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.units, tuple) or not self.units or not all(isinstance(u, MeasuredUnit) for u in self.units):
@@ -186,6 +250,10 @@ class Measurements:
         if not isinstance(self.samples, tuple) or not all(isinstance(s, CollectiveSample) for s in self.samples):
             raise TypeError(f"Measurements.samples: expected a tuple of CollectiveSample, got {self.samples!r}")
         _check_count("Measurements", "ranks_per_node", self.ranks_per_node, 1)
+        if not isinstance(self.slowdowns, tuple) or not all(isinstance(s, SlowdownSample) for s in self.slowdowns):
+            raise TypeError(f"Measurements.slowdowns: expected a tuple of SlowdownSample, got {self.slowdowns!r}")
+        if not isinstance(self.sharing, tuple) or not all(isinstance(s, SharingSample) for s in self.sharing):
+            raise TypeError(f"Measurements.sharing: expected a tuple of SharingSample, got {self.sharing!r}")
 
 
 def model_from_measurements(
@@ -196,8 +264,9 @@ def model_from_measurements(
 ) -> IterationModel:
     """The ``IterationModel`` of ``measurements``: each unit's measured compute, and its
     collectives priced by ``fit_collectives(measurements.samples)`` at its size. Simulate it with
-    ``simulate_iteration`` under each ``Schedule`` and the default ``LinkModel`` (the samples
-    were timed on the links as they are)."""
+    ``simulate_iteration`` under each ``Schedule`` and ``links_from_measurements(measurements)``
+    (the default ``LinkModel`` when nothing was timed under load: the samples were timed on the
+    links as they are)."""
     fits = fit_collectives(measurements.samples)
     units = []
     for u in measurements.units:
@@ -211,3 +280,48 @@ def model_from_measurements(
         )
         units.append(UnitCosts(name=u.name, forward_ms=u.forward_ms, backward_ms=u.backward_ms, collectives=costs))
     return IterationModel(units=tuple(units), backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+
+
+def _slowdown(samples: Sequence[SlowdownSample]) -> float:
+    """``sum(loaded) / sum(alone)``, at least 1; 1 without samples or time alone."""
+    alone = math.fsum(s.alone_ms for s in samples)
+    return max(1.0, math.fsum(s.loaded_ms for s in samples) / alone) if alone > 0 else 1.0
+
+
+def _contention(samples: Sequence[SharingSample]) -> float:
+    """The ``contention`` under which the processor-sharing model gives each pair its
+    ``together_ms``; over several pairs, from their sums; at least 1.
+
+    Two transfers of ``a <= b`` ms alone, started together, share the link each at ``1 / (2c)``
+    until the shorter is done (``2ac`` ms), then the longer runs alone (``b - a`` ms): together
+    ``2ac + b - a``, so ``c = (together - (b - a)) / 2a``."""
+    shared = math.fsum(s.together_ms - abs(s.second_ms - s.first_ms) for s in samples)
+    split = math.fsum(2 * min(s.first_ms, s.second_ms) for s in samples)
+    return max(1.0, shared / split) if split > 0 else 1.0
+
+
+def links_from_measurements(measurements: Measurements, *, one_collective_per_group: bool = True) -> LinkModel:
+    """The ``LinkModel`` of ``measurements``' loads (each factor >= 1; 1 where nothing was timed):
+
+    - ``cross_link_slowdown``: ``sum(loaded) / sum(alone)`` over the ``Load.OTHER_LINK`` samples of
+      intra-node collectives (the model slows only those; samples of an inter-node collective
+      beside intra-node traffic are ignored, kept for the record: on the emulated cluster they
+      show no slowdown);
+    - ``compute_slowdown``: per collective and link (``ComputeSlowdown``), the same over its
+      ``Load.COMPUTE`` samples;
+    - ``contention``: from ``measurements.sharing`` (``_contention``). It acts only with
+      ``one_collective_per_group=False``, which the caller sets where a group's collectives run
+      side by side (gloo); pass it as the backend behaves.
+
+    Bandwidths stay 1: the costs were timed on the links as they are."""
+    def of(load: Load, link: Link, collective: Collective | None = None) -> list[SlowdownSample]:
+        return [s for s in measurements.slowdowns
+                if s.load is load and s.link is link and collective in (None, s.collective)]
+
+    computing = {name: _slowdown(of(Load.COMPUTE, link, collective)) for name, collective, link in _NEEDED}
+    return LinkModel(
+        contention=_contention(measurements.sharing),
+        cross_link_slowdown=_slowdown(of(Load.OTHER_LINK, Link.INTRA_NODE)),
+        compute_slowdown=ComputeSlowdown(**computing),
+        one_collective_per_group=one_collective_per_group,
+    )

@@ -32,6 +32,10 @@ Timing rules:
   reduce-scatters use ``Link.INTER_NODE``; HSDP's shard group is one node (``Link.INTRA_NODE``);
   the replicate group spans nodes. A collective's work is its cost measured alone on its link;
   collectives active on one link at once share it (processor sharing with ``contention``).
+  Where ranks share processor cores with their communication (the emulated cluster of
+  ``benchmarks/bench_hsdp_cluster.py``), ``LinkModel`` also slows intra-node collectives while an
+  inter-node one runs (``cross_link_slowdown``) and each collective while compute runs
+  (``compute_slowdown``, per collective and link); on GPUs with NCCL these stay 1.
 
 Everything is exact (``Fraction``) and deterministic; the result is an ``IterationTimeline``
 with every interval and the iteration time.
@@ -53,6 +57,7 @@ from fsdp_core.unshard import AwaitGather, Gather, Reshard, UnshardEvent, Unshar
 
 __all__ = [
     "CollectiveCosts",
+    "ComputeSlowdown",
     "Interval",
     "IterationModel",
     "IterationTimeline",
@@ -192,6 +197,44 @@ class IterationModel:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeSlowdown:
+    """How many times slower each collective progresses while the compute stream is busy
+    (``fsdp_core.link_sim``), named as ``CollectiveCosts``' costs: ``*_intra`` over a shard group
+    inside one node, ``*_inter`` over a group that spans nodes. Each >= 1; 1 (the default):
+    compute does not slow it, as on GPUs, where NCCL's kernels take few SMs. Above 1 where ranks
+    share processor cores with their communication; measured by timing the collective alone and
+    while every rank computes (``fsdp_core.calibration.links_from_measurements``)."""
+
+    all_gather_intra: float = 1.0
+    all_gather_inter: float = 1.0
+    reduce_scatter_intra: float = 1.0
+    reduce_scatter_inter: float = 1.0
+    all_reduce_inter: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("all_gather_intra", "all_gather_inter", "reduce_scatter_intra", "reduce_scatter_inter",
+                     "all_reduce_inter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < math.inf:
+                raise ValueError(f"ComputeSlowdown.{name}: expected a finite number >= 1, got {value!r}")
+
+    def of(self, phase: Phase, link: Link) -> float:
+        """The factor of a collective ``phase`` on ``link`` (an all-reduce uses the inter-node one)."""
+        inter = link is Link.INTER_NODE
+        match phase:
+            case Phase.FORWARD_ALL_GATHER | Phase.BACKWARD_ALL_GATHER:
+                return self.all_gather_inter if inter else self.all_gather_intra
+            case Phase.REDUCE_SCATTER:
+                return self.reduce_scatter_inter if inter else self.reduce_scatter_intra
+            case Phase.ALL_REDUCE:
+                return self.all_reduce_inter
+            case Phase.FORWARD | Phase.BACKWARD:
+                raise ValueError(f"phase: expected a collective, got {phase.value}")
+            case _:
+                assert_never(phase)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LinkModel:
     """How collectives share links and process groups; the free parameters of the network."""
 
@@ -207,14 +250,26 @@ class LinkModel:
     one_collective_per_group: bool = True
     """A process group runs one collective at a time, in the order the host issued them
     (ProcessGroupNCCL's one internal stream per group). False: collectives issued from different
-    streams run at once even on one group, and share their link."""
+    streams run at once even on one group, and share their link (ProcessGroupGloo, whose worker
+    threads run a group's asynchronous collectives side by side)."""
+    cross_link_slowdown: float = 1.0
+    """While any collective is active on the inter-node link, each intra-node one progresses this
+    many times slower (``fsdp_core.link_sim``). 1: the links are independent, as NVLink and the
+    network are. Above 1 where intra-node collectives are the processor's work and an inter-node
+    one takes some of it; measured by timing an intra-node collective alone and beside an
+    inter-node all-reduce (``fsdp_core.calibration.links_from_measurements``). Must be >= 1."""
+    compute_slowdown: ComputeSlowdown = ComputeSlowdown()
+    """How much each collective is slowed while the compute stream is busy; all 1 by default."""
 
     def __post_init__(self) -> None:
-        for name, value in (("contention", self.contention), ("inter_node_bandwidth", self.inter_node_bandwidth),
-                            ("intra_node_bandwidth", self.intra_node_bandwidth)):
-            low = 1.0 if name == "contention" else math.nextafter(0.0, 1.0)
+        if not isinstance(self.compute_slowdown, ComputeSlowdown):
+            raise TypeError(f"LinkModel.compute_slowdown: expected a ComputeSlowdown, got {self.compute_slowdown!r}")
+        at_least_one = ("contention", "cross_link_slowdown")
+        for name in (*at_least_one, "inter_node_bandwidth", "intra_node_bandwidth"):
+            value = getattr(self, name)
+            low = 1.0 if name in at_least_one else math.nextafter(0.0, 1.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
-                bound = ">= 1" if name == "contention" else "> 0"
+                bound = ">= 1" if name in at_least_one else "> 0"
                 raise ValueError(f"LinkModel.{name}: expected a finite number {bound}, got {value!r}")
         if not isinstance(self.one_collective_per_group, bool):
             raise TypeError(f"LinkModel.one_collective_per_group: expected a bool, got {self.one_collective_per_group!r}")
@@ -301,7 +356,8 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
         if group is not None and links.one_collective_per_group and group in last_in:
             deps.add(last_in[group])
         index = len(tasks)
-        tasks.append(SimTask(after=tuple(sorted(deps)), work=Fraction(ms), link=link))
+        slowdown = Fraction(1) if link is None else Fraction(links.compute_slowdown.of(phase, link))
+        tasks.append(SimTask(after=tuple(sorted(deps)), work=Fraction(ms), link=link, compute_slowdown=slowdown))
         labels.append(_Label(unit=unit, phase=phase, stream=stream, group=group, link=link))
         last_on[stream] = index
         if group is not None:
@@ -374,7 +430,8 @@ def simulate_iteration(model: IterationModel, schedule: Schedule, links: LinkMod
     tasks, labels = _tasks(model, schedule, links)
     capacity = {Link.INTER_NODE: Fraction(links.inter_node_bandwidth),
                 Link.INTRA_NODE: Fraction(links.intra_node_bandwidth)}
-    times = run_tasks(tasks, capacity=capacity, contention=Fraction(links.contention))
+    times = run_tasks(tasks, capacity=capacity, contention=Fraction(links.contention),
+                      cross_link_slowdown=Fraction(links.cross_link_slowdown))
     intervals = tuple(
         Interval(unit=label.unit, name=model.units[label.unit].name, phase=label.phase, stream=label.stream,
                  group=label.group, link=label.link, start_ms=float(start), end_ms=float(end))

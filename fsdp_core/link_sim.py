@@ -2,11 +2,29 @@
 
 A task is either compute (it takes ``work`` ms) or a transfer on a ``Link`` (``work`` is the ms it
 takes alone on that link at capacity 1). A task starts as soon as every task it comes ``after``
-has ended. Transfers active on one link at the same time share it by processor sharing: with
-``k`` of them active on a link of capacity ``c``, each progresses at ``c / k`` when ``k == 1``
-and at ``c / (k * contention)`` when ``k >= 2`` (``contention == 1``: ideal sharing, no loss; a
-larger value: what sharing costs beyond splitting the bandwidth). Rates change only when a task
-starts or ends, so the run steps from one such event to the next.
+has ended. A transfer's progress rate is its link's capacity, then:
+
+- *Sharing a link.* Transfers active on one link at the same time share it by processor sharing:
+  with ``k`` of them active on a link of capacity ``c``, each progresses at ``c / k`` when
+  ``k == 1`` and at ``c / (k * contention)`` when ``k >= 2`` (``contention == 1``: ideal
+  sharing, no loss; a larger value: what sharing costs beyond splitting the bandwidth).
+- *Across links* (``cross_link_slowdown``). While any transfer is active on ``INTER_NODE``,
+  every transfer on ``INTRA_NODE`` progresses ``cross_link_slowdown`` times slower (1: the links
+  are independent). One-sided, as measured on the emulated cluster (``benchmarks/
+  bench_hsdp_cluster.py --calibrate``): there the intra-node collectives are the processor's
+  work (memory copies through the node's loopback) and a concurrent inter-node one takes some
+  of it, while the inter-node collectives are paced by their rate-limited link and an
+  intra-node one beside them does not measurably slow them.
+- *Beside compute* (``SimTask.compute_slowdown``). While any compute task is active, a
+  transfer progresses its own ``compute_slowdown`` times slower (1: compute does not slow it).
+  Where ranks share processor cores with their communication, as on the emulated cluster,
+  collectives overlapped with computation take longer, by how much depending on the collective
+  (an all-gather in many small steps more than an all-to-all), so the factor is per transfer.
+  Compute itself is never slowed here: a compute task's ``work`` is its time measured where it
+  runs, with whatever runs beside it.
+
+The factors multiply. Rates change only when a task starts or ends, so the run steps from one
+such event to the next.
 
 Arithmetic is in ``fractions.Fraction``: times are exact, simultaneous ends are detected exactly,
 and equal inputs give equal outputs on every machine. Nothing here knows about FSDP; the
@@ -43,10 +61,16 @@ class SimTask:
     """Compute: its duration in ms. Transfer: the ms it takes alone on its link at capacity 1."""
     link: Link | None = None
     """The link a transfer uses; None for compute."""
+    compute_slowdown: Fraction = Fraction(1)
+    """A transfer: how many times slower it progresses while any compute task is active (>= 1).
+    Compute: 1."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.work, Fraction) or self.work < 0:
             raise ValueError(f"work: expected a Fraction >= 0, got {self.work!r}")
+        if not isinstance(self.compute_slowdown, Fraction) or self.compute_slowdown < 1 or (
+                self.link is None and self.compute_slowdown != 1):
+            raise ValueError(f"compute_slowdown: expected a Fraction >= 1 (1 for compute), got {self.compute_slowdown!r}")
         if not isinstance(self.after, tuple) or not all(isinstance(a, int) and a >= 0 for a in self.after):
             raise ValueError(f"after: expected a tuple of task indices, got {self.after!r}")
 
@@ -56,17 +80,19 @@ def run_tasks(
     *,
     capacity: Mapping[Link, Fraction],
     contention: Fraction = Fraction(1),
+    cross_link_slowdown: Fraction = Fraction(1),
 ) -> tuple[tuple[Fraction, Fraction], ...]:
     """``(start, end)`` of every task, in ms from 0, in the order of ``tasks``.
 
     ``capacity`` gives each link's bandwidth relative to the one at which ``work`` was timed (it
-    must name every link a task uses, each > 0); ``contention`` (>= 1) is the sharing loss
-    described in the module docstring. Raises ``ValueError`` for a task that comes after itself
-    or a later task, or for a bad capacity or contention. Tasks ready at the same instant start
-    in index order; the result does not depend on it.
+    must name every link a task uses, each > 0); ``contention`` and ``cross_link_slowdown`` (both
+    >= 1; defaults: no loss) are the slowdowns described in the module docstring. Raises ``ValueError`` for a task that comes after itself or a later task,
+    or for a bad capacity or slowdown. Tasks ready at the same instant start in index order;
+    the result does not depend on it.
     """
-    if contention < 1:
-        raise ValueError(f"contention: expected >= 1, got {contention}")
+    for name, factor in (("contention", contention), ("cross_link_slowdown", cross_link_slowdown)):
+        if factor < 1:
+            raise ValueError(f"{name}: expected >= 1, got {factor}")
     for index, task in enumerate(tasks):
         if any(a >= index for a in task.after):
             raise ValueError(f"tasks[{index}].after: expected indices below {index}, got {task.after}")
@@ -114,7 +140,17 @@ def run_tasks(
         for index in sending:
             link = _link(tasks[index])
             sharing[link] = sharing.get(link, 0) + 1
-        speed = {index: _rate(capacity[link := _link(tasks[index])], sharing[link], contention) for index in sending}
+        across = cross_link_slowdown if Link.INTER_NODE in sharing else Fraction(1)
+        speed: dict[int, Fraction] = {}
+        for index in sending:
+            task = tasks[index]
+            link = _link(task)
+            rate = _rate(capacity[link], sharing[link], contention)
+            if link is Link.INTRA_NODE:
+                rate /= across
+            if computing:
+                rate /= task.compute_slowdown
+            speed[index] = rate
         steps = [t - now for t in computing.values()] + [left / speed[i] for i, left in sending.items()]
         assert steps, "tasks wait for tasks that never end"  # unreachable: every `after` points back
         elapsed = min(steps)

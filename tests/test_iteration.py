@@ -17,16 +17,20 @@ from fsdp_core import (
     Collective,
     CollectiveCosts,
     CollectiveSample,
+    ComputeSlowdown,
     IterationModel,
     IterationTimeline,
     Link,
     LinkModel,
+    Load,
     MeasuredUnit,
     Measurements,
     Phase,
     Schedule,
     SeedParameters,
+    SharingSample,
     SimTask,
+    SlowdownSample,
     Stream,
     UnitCosts,
     fit_affine,
@@ -35,6 +39,7 @@ from fsdp_core import (
     format_iteration,
     format_seed_table,
     iteration_to_trace,
+    links_from_measurements,
     model_from_measurements,
     run_tasks,
     seed_calibration,
@@ -55,8 +60,8 @@ def spans(*pairs: tuple[int, int]) -> tuple[tuple[Fraction, Fraction], ...]:
     return tuple((F(a), F(b)) for a, b in pairs)
 
 
-def transfer(work: int, link: Link = INTER, after: tuple[int, ...] = ()) -> SimTask:
-    return SimTask(after=after, work=F(work), link=link)
+def transfer(work: int, link: Link = INTER, after: tuple[int, ...] = (), beside_compute: int = 1) -> SimTask:
+    return SimTask(after=after, work=F(work), link=link, compute_slowdown=F(beside_compute))
 
 
 def test_a_lone_transfer_takes_its_cost() -> None:
@@ -97,6 +102,53 @@ def test_capacity_scales_a_link() -> None:
 def test_dependencies_and_zero_work() -> None:
     tasks = [SimTask(after=(), work=F(3)), SimTask(after=(0,), work=F(0)), transfer(2, after=(1,))]
     assert run_tasks(tasks, capacity=ONE) == spans((0, 3), (3, 3), (3, 5))
+
+
+def test_an_inter_node_transfer_slows_intra_node_ones_and_not_the_reverse() -> None:
+    # The intra-node transfer at half speed while the inter-node one runs (0-10: 5 ms of its
+    # work), then alone (5 more): 15. The inter-node one is not slowed: 10.
+    tasks = [transfer(10, INTRA), transfer(10, INTER)]
+    assert run_tasks(tasks, capacity=ONE, cross_link_slowdown=F(2)) == spans((0, 15), (0, 10))
+    # Transfers on one link only: no slowdown across links, only sharing.
+    assert run_tasks([transfer(10, INTRA), transfer(10, INTRA)], capacity=ONE, cross_link_slowdown=F(3)) == \
+        spans((0, 20), (0, 20))
+    # Compute on its own is no other link.
+    tasks = [transfer(10, INTRA), SimTask(after=(), work=F(10))]
+    assert run_tasks(tasks, capacity=ONE, cross_link_slowdown=F(2)) == spans((0, 10), (0, 10))
+
+
+def test_compute_slows_each_transfer_by_its_own_factor() -> None:
+    # 0-4 beside compute at half speed (2 ms of work), the other 8 alone: 12. A transfer with
+    # factor 1 is not slowed; compute never is.
+    tasks = [SimTask(after=(), work=F(4)), transfer(10, INTRA, beside_compute=2), transfer(10, INTER)]
+    assert run_tasks(tasks, capacity=ONE) == spans((0, 4), (0, 12), (0, 10))
+    # Two transfers on one link, different factors: each slowed by its own.
+    tasks = [SimTask(after=(), work=F(4)), transfer(4, beside_compute=2), transfer(4, beside_compute=4)]
+    # 0-4: at 1/(2*2) and 1/(2*4): 1 and 1/2 ms of work; then both at 1/2: the first's 3 ms at
+    # 10, the second has 1/2 left, alone: 10.5.
+    assert run_tasks(tasks, capacity=ONE) == ((F(0), F(4)), (F(0), F(10)), (F(0), F(21, 2)))
+
+
+def test_slowdowns_multiply() -> None:
+    # Intra-node: 0-6 beside compute and the inter-node transfer at 1/(3*2) (1 ms of work); 6-20
+    # beside the inter-node one at 1/2 (7 ms); its last 4 ms alone: 24.
+    tasks = [SimTask(after=(), work=F(6)), transfer(12, INTRA, beside_compute=3), transfer(20, INTER)]
+    times = run_tasks(tasks, capacity=ONE, cross_link_slowdown=F(2))
+    assert times == spans((0, 6), (0, 24), (0, 20))
+    # Sharing too: two intra-node transfers beside the inter-node one, each at 1/(2*2*2) with
+    # contention 2 until it ends at 8 (1 ms of work each), then at 1/(2*2): 3 ms more take 12.
+    tasks = [transfer(4, INTRA), transfer(4, INTRA), transfer(8, INTER)]
+    times = run_tasks(tasks, capacity=ONE, contention=F(2), cross_link_slowdown=F(2))
+    assert times == spans((0, 20), (0, 20), (0, 8))
+
+
+def test_speedups_are_rejected() -> None:
+    with pytest.raises(ValueError, match="cross_link_slowdown"):
+        run_tasks([transfer(1)], capacity=ONE, cross_link_slowdown=F(1, 2))
+    with pytest.raises(ValueError, match="compute_slowdown"):
+        SimTask(after=(), work=F(1), link=INTRA, compute_slowdown=F(9, 10))
+    with pytest.raises(ValueError, match="compute_slowdown"):
+        SimTask(after=(), work=F(1), compute_slowdown=F(2))  # compute is never slowed
 
 
 @pytest.mark.parametrize(
@@ -194,6 +246,46 @@ def test_fsdp_with_concurrent_collectives_shares_the_inter_node_link() -> None:
     assert lossy.iteration_ms == 78
 
 
+def test_hsdp_async_cross_link_slowdown_by_hand() -> None:
+    t = simulate_iteration(small(), Schedule.HSDP_ASYNC, LinkModel(cross_link_slowdown=2))
+    # u2's reduce-scatter (14-17) ends before any all-reduce starts: as without the slowdown.
+    assert at(t, Phase.REDUCE_SCATTER, 2) == (14, 17) and at(t, Phase.ALL_REDUCE, 2) == (17, 37)
+    # u1's reduce-scatter runs beside u2's all-reduce: its 3 ms at half speed.
+    assert at(t, Phase.REDUCE_SCATTER, 1) == (17, 23)
+    # The all-reduces are not slowed, and u1's still waits for u2's on its stream.
+    assert at(t, Phase.ALL_REDUCE, 1) == (37, 57) and t.iteration_ms == 57
+
+
+def test_hsdp_async_compute_slowdown_by_hand() -> None:
+    intra = LinkModel(compute_slowdown=ComputeSlowdown(all_gather_intra=2, reduce_scatter_intra=2))
+    t = simulate_iteration(small(), Schedule.HSDP_ASYNC, intra)
+    # Forward: every all-gather runs while no compute does.
+    assert at(t, Phase.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Phase.BACKWARD_ALL_GATHER, 2) == (8, 11)
+    # u1's prefetch beside u2's backward (11-13) at half speed (1 ms of work), then 2 ms alone: 15.
+    assert at(t, Phase.BACKWARD, 2) == (11, 13) and at(t, Phase.BACKWARD_ALL_GATHER, 1) == (11, 15)
+    # u2's reduce-scatter after it on the shard group, beside u1's backward (15-17) at half speed
+    # (1 ms), then 2 ms alone: 19. The all-reduces are inter-node: not slowed.
+    assert at(t, Phase.BACKWARD, 1) == (15, 17) and at(t, Phase.REDUCE_SCATTER, 2) == (15, 19)
+    assert at(t, Phase.ALL_REDUCE, 2) == (19, 39) and at(t, Phase.REDUCE_SCATTER, 1) == (19, 22)
+    assert at(t, Phase.ALL_REDUCE, 1) == (39, 59) and t.iteration_ms == 59
+    # Inter-node collectives only (FSDP): the intra-node factors change nothing.
+    assert simulate_iteration(small(), Schedule.FSDP, intra) == \
+        dataclasses.replace(simulate_iteration(small(), Schedule.FSDP), links=intra)
+    # Each collective by its own factor: only the all-reduce (inter-node, never beside compute
+    # here) slowed: nothing moves.
+    reduce = LinkModel(compute_slowdown=ComputeSlowdown(all_reduce_inter=3))
+    assert simulate_iteration(small(), Schedule.HSDP_ASYNC, reduce).iteration_ms == 57
+
+
+def test_fsdp_compute_slowdown_by_hand() -> None:
+    t = simulate_iteration(small(), Schedule.FSDP, LinkModel(compute_slowdown=ComputeSlowdown(all_gather_inter=2)))
+    # u1's backward all-gather (32-42 unslowed) runs beside u2's backward (32-34) at half speed:
+    # 1 ms of work, the other 9 alone: 32-43. Reduce-scatters are not slowed.
+    assert at(t, Phase.BACKWARD_ALL_GATHER, 1) == (32, 43)
+    assert at(t, Phase.REDUCE_SCATTER, 2) == (43, 53) and at(t, Phase.BACKWARD, 1) == (43, 45)
+    assert at(t, Phase.REDUCE_SCATTER, 1) == (53, 63) and t.iteration_ms == 63
+
+
 def test_backward_pre_prefetch_overlaps_the_next_all_gather_with_backward() -> None:
     pre = simulate_iteration(small(), Schedule.FSDP)
     assert pre.find(Phase.BACKWARD_ALL_GATHER, 1).start_ms < pre.find(Phase.BACKWARD, 2).end_ms
@@ -242,6 +334,12 @@ def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> N
         (lambda: LinkModel(contention=0.5), ValueError, "contention"),
         (lambda: LinkModel(inter_node_bandwidth=0), ValueError, "inter_node_bandwidth"),
         (lambda: LinkModel(intra_node_bandwidth=float("inf")), ValueError, "intra_node_bandwidth"),
+        (lambda: LinkModel(cross_link_slowdown=0.9), ValueError, "cross_link_slowdown"),
+        (lambda: ComputeSlowdown(all_gather_intra=float("nan")), ValueError, "all_gather_intra"),
+        (lambda: ComputeSlowdown(all_reduce_inter=True), ValueError, "all_reduce_inter"),
+        (lambda: ComputeSlowdown(reduce_scatter_inter=0.5), ValueError, "reduce_scatter_inter"),
+        (lambda: LinkModel(compute_slowdown=2.0), TypeError, "compute_slowdown"),  # type: ignore[arg-type]
+        (lambda: ComputeSlowdown().of(Phase.FORWARD, INTRA), ValueError, "collective"),
         (lambda: Schedule.parse("ddp"), ValueError, "schedule"),
     ],
 )
@@ -396,6 +494,59 @@ def test_measurements_validate() -> None:
         sample(Collective.ALL_GATHER, INTER, 0, 1.0)
     with pytest.raises(ValueError, match="param_bytes"):
         MeasuredUnit(name="u", param_bytes=-1, forward_ms=0, backward_ms=0)
+
+
+def slowed(load: Load, collective: Collective, link: Link, alone: float, loaded: float) -> SlowdownSample:
+    return SlowdownSample(load=load, collective=collective, link=link, alone_ms=alone, loaded_ms=loaded)
+
+
+def test_links_from_measurements_by_hand() -> None:
+    base = emulated_cluster()
+    # Nothing timed under load: the default link model.
+    assert links_from_measurements(base) == LinkModel()
+    slowdowns = (
+        # Across links, intra-node: (3 + 5) / (2 + 4) = 4/3.
+        slowed(Load.OTHER_LINK, Collective.ALL_GATHER, INTRA, 2.0, 3.0),
+        slowed(Load.OTHER_LINK, Collective.REDUCE_SCATTER, INTRA, 4.0, 5.0),
+        # The all-reduce beside intra-node traffic: recorded, not used (the model is one-sided).
+        slowed(Load.OTHER_LINK, Collective.ALL_REDUCE, INTER, 20.0, 40.0),
+        # Beside compute, per collective: 8 / 2 = 4; (10 + 14) / (4 + 4) = 3 (two samples);
+        # 30 / 20 = 1.5; 5 / 10 is faster: 1. The inter-node reduce-scatter, not timed: 1.
+        slowed(Load.COMPUTE, Collective.ALL_GATHER, INTRA, 2.0, 8.0),
+        slowed(Load.COMPUTE, Collective.REDUCE_SCATTER, INTRA, 4.0, 10.0),
+        slowed(Load.COMPUTE, Collective.REDUCE_SCATTER, INTRA, 4.0, 14.0),
+        slowed(Load.COMPUTE, Collective.ALL_REDUCE, INTER, 20.0, 30.0),
+        slowed(Load.COMPUTE, Collective.ALL_GATHER, INTER, 10.0, 5.0),
+    )
+    # Sharing: 10 and 14 ms alone, 30 together: 2 * 10 * c + 4 = 30, c = 1.3. With a second pair
+    # (2 and 2 alone, 3 together: faster than in turn) from the sums: (26 + 3) / (20 + 4).
+    one = SharingSample(link=INTER, first_ms=10.0, second_ms=14.0, together_ms=30.0)
+    two = SharingSample(link=INTRA, first_ms=2.0, second_ms=2.0, together_ms=3.0)
+    links = links_from_measurements(dataclasses.replace(base, slowdowns=slowdowns, sharing=(one,)))
+    assert links.cross_link_slowdown == pytest.approx(4 / 3)
+    assert links.compute_slowdown == ComputeSlowdown(all_gather_intra=4.0, reduce_scatter_intra=3.0,
+                                                     all_reduce_inter=1.5)
+    assert links.contention == pytest.approx(1.3) and links.one_collective_per_group
+    assert (links.inter_node_bandwidth, links.intra_node_bandwidth) == (1.0, 1.0)
+    both = links_from_measurements(dataclasses.replace(base, sharing=(one, two)), one_collective_per_group=False)
+    assert both.contention == pytest.approx(29 / 24) and not both.one_collective_per_group
+    # A load that speeds a collective up, or sharing faster than taking turns, gives 1, not less.
+    faster = (slowed(Load.COMPUTE, Collective.ALL_REDUCE, INTER, 20.0, 18.0),)
+    assert links_from_measurements(dataclasses.replace(base, slowdowns=faster, sharing=(two,))) == LinkModel()
+
+
+def test_slowdown_and_sharing_samples_validate() -> None:
+    with pytest.raises(ValueError, match="loaded_ms"):
+        slowed(Load.COMPUTE, Collective.ALL_GATHER, INTRA, 1.0, -1.0)
+    with pytest.raises(TypeError, match="load"):
+        SlowdownSample(load="compute", collective=Collective.ALL_GATHER, link=INTRA,  # type: ignore[arg-type]
+                       alone_ms=1.0, loaded_ms=1.0)
+    with pytest.raises(ValueError, match="together_ms"):
+        SharingSample(link=INTER, first_ms=1.0, second_ms=1.0, together_ms=float("inf"))
+    with pytest.raises(TypeError, match="slowdowns"):
+        dataclasses.replace(emulated_cluster(), slowdowns=[])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sharing"):
+        dataclasses.replace(emulated_cluster(), sharing=(1.0,))  # type: ignore[arg-type]
 
 
 # -- renderings ---------------------------------------------------------------------------------
