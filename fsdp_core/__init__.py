@@ -38,6 +38,7 @@ from fsdp_core.config import (
     MixedPrecision,
     ShardingStrategy,
     StepFlags,
+    parse_member,
 )
 from fsdp_core.division import (
     BackendCaps,
@@ -250,6 +251,7 @@ __all__ = [
     "links_from_measurements",
     "model_from_measurements",
     "op_name",
+    "parse_member",
     "plan_post_backward",
     "plan_to_json",
     "plan_unshard",

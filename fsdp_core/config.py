@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from typing_extensions import assert_never
@@ -23,7 +24,24 @@ __all__ = [
     "FLOAT_DTYPES",
     "HYBRID_STRATEGIES",
     "RESHARD_AFTER_FORWARD_STRATEGIES",
+    "parse_member",
 ]
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def parse_member(cls: type[_E], text: str, *, argument: str, noun: str, by_value: bool = False,
+                 also: str = "") -> _E:
+    """The member of ``cls`` that ``text`` names: by name (any case, ``-`` for ``_``, a leading
+    ``_`` ignored, as in torch's ``_HYBRID_SHARD_ZERO2``) or, with ``by_value``, by value (lower
+    case). Otherwise ``ValueError`` naming ``argument`` and listing what is accepted."""
+    key = text.strip().replace("-", "_")
+    for member in cls:
+        if (str(member.value) == key.lower()) if by_value else (member.name == key.upper().lstrip("_")):
+            return member
+    accepted = ", ".join(str(m.value) if by_value else m.name for m in cls)
+    raise ValueError(f"{argument}: unknown {noun} {text!r}; accepted: {accepted}{also}")
+
 
 FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(
     {torch.float64, torch.float32, torch.float16, torch.bfloat16}
@@ -58,16 +76,7 @@ class ShardingStrategy(enum.Enum):
     @classmethod
     def parse(cls, name: str) -> ShardingStrategy:
         """Return the member called ``name`` (case-insensitive), or raise ``ValueError``."""
-        key = name.strip().upper().replace("-", "_")
-        if key.startswith("_"):
-            key = key[1:]
-        try:
-            return cls[key]
-        except KeyError:
-            accepted = ", ".join(m.name for m in cls)
-            raise ValueError(
-                f"sharding_strategy: unknown strategy {name!r}; accepted: {accepted}"
-            ) from None
+        return parse_member(cls, name, argument="sharding_strategy", noun="strategy")
 
 
 class BackwardPrefetch(enum.Enum):
@@ -86,14 +95,7 @@ class BackwardPrefetch(enum.Enum):
     @classmethod
     def parse(cls, name: str) -> BackwardPrefetch:
         """Return the member called ``name`` (case-insensitive), or raise ``ValueError``."""
-        key = name.strip().upper().replace("-", "_")
-        try:
-            return cls[key]
-        except KeyError:
-            accepted = ", ".join(m.name for m in cls)
-            raise ValueError(
-                f"backward_prefetch: unknown value {name!r}; accepted: {accepted} (or None)"
-            ) from None
+        return parse_member(cls, name, argument="backward_prefetch", noun="value", also=" (or None)")
 
 
 HYBRID_STRATEGIES: frozenset[ShardingStrategy] = frozenset(
@@ -126,12 +128,7 @@ class HybridAllReduce(enum.Enum):
     @classmethod
     def parse(cls, name: str) -> HybridAllReduce:
         """The member whose value is ``name`` (case-insensitive), or ``ValueError``."""
-        key = name.strip().lower()
-        for member in cls:
-            if member.value == key:
-                return member
-        accepted = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"hybrid_all_reduce: unknown placement {name!r}; accepted: {accepted}")
+        return parse_member(cls, name, argument="hybrid_all_reduce", noun="placement", by_value=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,12 +223,7 @@ class CommHook(enum.Enum):
     @classmethod
     def parse(cls, name: str) -> CommHook:
         """Return the hook called ``name`` (its value, e.g. ``"fp16_compress"``), or raise ``ValueError``."""
-        key = name.strip().lower().replace("-", "_")
-        for member in cls:
-            if member.value == key:
-                return member
-        accepted = ", ".join(m.value for m in cls)
-        raise ValueError(f"comm_hook: unknown hook {name!r}; accepted: {accepted}")
+        return parse_member(cls, name, argument="comm_hook", noun="hook", by_value=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -50,7 +50,7 @@ from fractions import Fraction
 
 from typing_extensions import assert_never
 
-from fsdp_core.config import BackwardPrefetch
+from fsdp_core.config import BackwardPrefetch, parse_member
 from fsdp_core.link_sim import Link, SimTask, run_tasks
 from fsdp_core.ops import Group, Stream
 from fsdp_core.unshard import AwaitGather, Gather, Reshard, UnshardEvent, UnshardRequest, plan_unshard
@@ -94,12 +94,7 @@ class Schedule(enum.Enum):
     @classmethod
     def parse(cls, name: str) -> Schedule:
         """The member called ``name`` (any case, ``-`` for ``_``), or ``ValueError`` naming ``schedule``."""
-        key = name.strip().upper().replace("-", "_")
-        try:
-            return cls[key]
-        except KeyError:
-            accepted = ", ".join(m.name for m in cls)
-            raise ValueError(f"schedule: unknown schedule {name!r}; accepted: {accepted}") from None
+        return parse_member(cls, name, argument="schedule", noun="schedule")
 
 
 class Phase(enum.Enum):

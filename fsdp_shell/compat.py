@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, HybridAllReduce, MixedPrecision, ShardingStrategy
+from fsdp_core import (
+    BackwardPrefetch,
+    CPUOffload,
+    DivisionPolicy,
+    HybridAllReduce,
+    MixedPrecision,
+    ShardingStrategy,
+    parse_member,
+)
 
 __all__ = [
     "to_backward_prefetch",
@@ -82,11 +90,8 @@ def to_division_policy(value: object) -> DivisionPolicy:
     if isinstance(value, DivisionPolicy):
         return value
     if isinstance(value, str):
-        for member in DivisionPolicy:
-            if member.value == value.strip().lower().replace("-", "_"):
-                return member
-    accepted = ", ".join(repr(m.value) for m in DivisionPolicy)
-    raise ValueError(f"division_policy: expected a DivisionPolicy or one of {accepted}, got {value!r}")
+        return parse_member(DivisionPolicy, value, argument="division_policy", noun="policy", by_value=True)
+    raise TypeError(f"division_policy: expected a DivisionPolicy or its value, got {value!r}")
 
 
 def to_hybrid_all_reduce(value: object) -> HybridAllReduce:
