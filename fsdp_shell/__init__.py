@@ -9,5 +9,7 @@ every rank of a simulated world in one process; ``fsdp-plan`` is ``fsdp_shell.pl
 
 from fsdp_core import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_shell.fsdp import FSDP, FullyShardedDataParallel
+from fsdp_shell.state_dict import StateDictSettings, StateDictType
 
-__all__ = ["CPUOffload", "FSDP", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy"]
+__all__ = ["CPUOffload", "FSDP", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy",
+           "StateDictSettings", "StateDictType"]

@@ -48,6 +48,12 @@ class OrigParam:
     module: nn.Module
     attr: str
     fqn: str
+    aliases: tuple[tuple[nn.Module, str], ...] = ()
+    """Further ``(module, attribute)`` registrations of the same (tied) parameter in this unit."""
+
+    def slots(self) -> tuple[tuple[nn.Module, str], ...]:
+        """Every ``(module, attribute)`` the parameter is registered under."""
+        return ((self.module, self.attr), *self.aliases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +228,7 @@ class FlatParamHandle:
         local = full[start : start + self.shard_numel].clone()
         del full
         self.local: torch.Tensor = local.cpu() if self.offload else local
-        self.flat_param = nn.Parameter(self.local, requires_grad=tensors[0].requires_grad)
+        self.flat_param = nn.Parameter(self.local, requires_grad=any(t.requires_grad for t in tensors))
         self._gathers_in_place = self.is_sharded or self.compute_dtype != self.orig_dtype or self.offload
         self._gathered = torch.empty(self.padded_numel if self._gathers_in_place else 0,
                                      dtype=self.compute_dtype, device=device)
@@ -239,12 +245,14 @@ class FlatParamHandle:
         self._shard_views = {v.param_index: v for v in self.sharding.shard_views(self.layout)}
         self._shard_view_list = self.sharding.shard_views(self.layout)
         for index, p in enumerate(params):
-            del p.module._parameters[p.attr]
+            for module, attr in p.slots():
+                del module._parameters[attr]
             if self.use_orig_params:
                 orig = self.orig_params[index]
                 orig.data = self._sharded_view(index)
                 orig.grad = None
-                p.module._parameters[p.attr] = orig
+                for module, attr in p.slots():
+                    module._parameters[attr] = orig
             else:
                 tensors[index].data = torch.empty(0, dtype=self.orig_dtype, device=device)
 
@@ -343,15 +351,19 @@ class FlatParamHandle:
         pieces = torch.split(self.flat_param, list(self._pieces.sizes))
         for index, p in enumerate(self.params):
             view = pieces[self._pieces.param_piece[index]].view(self.layout.params[index].shape)
-            if self.use_orig_params:
-                p.module._parameters[p.attr] = view  # type: ignore[assignment]  # a view tensor stands in for the Parameter during forward
-            else:
-                setattr(p.module, p.attr, view)
+            for module, attr in p.slots():
+                if self.use_orig_params:
+                    module._parameters[attr] = view  # type: ignore[assignment]  # a view tensor stands in for the Parameter during forward
+                else:
+                    setattr(module, attr, view)
 
     def restore_params(self) -> None:
-        """After forward: with ``use_orig_params`` the original ``Parameter`` objects come back."""
+        """After forward (and after backward, which uses the unsharded views again so that
+        activation checkpointing recomputes with them): with ``use_orig_params`` the original
+        ``Parameter`` objects come back."""
         for p, orig in zip(self.params, self.orig_params):
-            p.module._parameters[p.attr] = orig
+            for module, attr in p.slots():
+                module._parameters[attr] = orig
 
     # -- gradients around a backward ---------------------------------------------------------
 
@@ -403,7 +415,7 @@ class FlatParamHandle:
         shaped = not self.is_sharded or views != self._shard_view_list
         for index, orig in enumerate(self.orig_params):
             v = by_index.get(index)
-            if v is None:
+            if v is None or not orig.requires_grad:
                 orig.grad = None
                 continue
             piece = grad[v.offset_in_buffer : v.offset_in_buffer + v.numel]
@@ -419,13 +431,12 @@ class FlatParamHandle:
             self._host_grad = buf
         return buf
 
-    def optimizer_grad(self) -> torch.Tensor | None:
-        """The flat sharded gradient the optimizer steps on, if any (for clipping)."""
+    def optimizer_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps on (for clipping): the flat parameter's, or with
+        ``use_orig_params`` every original parameter's (frozen ones have none)."""
         if not self.use_orig_params:
-            return self.flat_param.grad
-        if all(p.grad is None for p in self.orig_params):
-            return None
-        return self.carried.tensors.get(InputRole.SHARDED_GRAD)
+            return [] if self.flat_param.grad is None else [self.flat_param.grad]
+        return [p.grad for p in self.orig_params if p.grad is not None]
 
     # -- full values --------------------------------------------------------------------------
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_core import (
@@ -40,6 +41,14 @@ from fsdp_shell.comm_hooks import builtin_kind
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
 from fsdp_shell.interpreter import PlanRun
 from fsdp_shell.runtime import CudaRuntime
+from fsdp_shell.state_dict import (
+    StateDictSettings,
+    StateDictType,
+    full_state_dict,
+    load_state_dict,
+    sharded_state_dict,
+    state_dict_settings,
+)
 from fsdp_shell.tree import Tree, WrapPolicy, make_tree, parse_options
 from fsdp_shell.unshard import UnshardRunner
 
@@ -159,31 +168,55 @@ class FullyShardedDataParallel(nn.Module):
                 setattr(module, name, FullyShardedDataParallel(child, _tree=tree))
 
     @staticmethod
-    def _owned_params(module: nn.Module, names: dict[int, str]) -> list[tuple[OrigParam, nn.Parameter]]:
-        """The parameters ``module`` owns outside nested units, with their unwrapped names."""
-        out: list[tuple[OrigParam, nn.Parameter]] = []
+    def _owned_params(module: nn.Module, tree: Tree) -> list[tuple[OrigParam, nn.Parameter]]:
+        """The parameters ``module`` owns outside nested units, with their unwrapped names, each
+        once (a tied parameter with its further registrations as aliases). A parameter a nested
+        unit has already flattened is refused: FSDP1 too needs every use of a shared parameter
+        inside the unit that flattens it."""
+        names = tree.param_names
+        slots: dict[int, list[tuple[nn.Module, str]]] = {}
+        tensors: dict[int, nn.Parameter] = {}
 
         def visit(m: nn.Module) -> None:
             for attr, p in m._parameters.items():
-                if p is not None:
-                    out.append((OrigParam(module=m, attr=attr, fqn=names[id(p)]), p))
+                if p is None:
+                    continue
+                owner = tree.owners.get(id(p))
+                if owner is not None:
+                    prefix = names[id(p)].rpartition(".")[0]
+                    raise ValueError(
+                        f"module: parameter {names[id(p)]} is shared across FSDP units: the unit of "
+                        f"{owner!r} flattened it and {type(m).__name__}.{attr} of another unit uses it too; "
+                        f"a shared parameter must be used inside one unit, so wrap both uses in one (their "
+                        f"lowest common ancestor), e.g. keep {prefix or 'its module'} out of auto_wrap_policy")
+                slots.setdefault(id(p), []).append((m, attr))
+                tensors[id(p)] = p
             for child in m.children():
                 if not isinstance(child, FullyShardedDataParallel):
                     visit(child)
 
         visit(module)
+        out: list[tuple[OrigParam, nn.Parameter]] = []
+        for key, ((m, attr), *aliases) in slots.items():
+            out.append((OrigParam(module=m, attr=attr, fqn=names[key], aliases=tuple(aliases)), tensors[key]))
+        label = type(module).__name__ + (f" holding {out[0][0].fqn}" if out else "")
+        for key in slots:
+            tree.owners[key] = label
         return out
 
     def _make_handle(self, module: nn.Module, tree: Tree) -> FlatParamHandle | None:
-        owned = self._owned_params(module, tree.param_names)
+        owned = self._owned_params(module, tree)
         if not owned:
             return None
         params, tensors = [o for o, _ in owned], [t for _, t in owned]
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError(f"module: one FSDP unit needs one parameter dtype, got {sorted(map(str, dtypes))}")
-        if len({t.requires_grad for t in tensors}) != 1:
-            raise ValueError("module: one FSDP unit needs all its parameters to require grad, or none")
+        if len({t.requires_grad for t in tensors}) != 1 and not tree.use_orig_params:
+            frozen = [p.fqn for p, t in owned if not t.requires_grad]
+            raise ValueError(f"module: frozen parameters ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}) "
+                             "beside trainable ones in one FSDP unit need use_orig_params=True (as in FSDP1), "
+                             "or wrap the frozen ones in a unit of their own")
         (dtype,) = dtypes
         compute = tree.mixed_precision.compute_dtype(dtype)
         layout = FlatParamLayout.of([(p.fqn, tuple(t.shape)) for p, t in owned], dtype,
@@ -289,39 +322,75 @@ class FullyShardedDataParallel(nn.Module):
         self._tree.comm_hook = bound
         self._tree.comm_hook_kind = kind
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded values under the original parameter and buffer names, on every rank."""
+    def full_state_dict(self) -> dict[str, Any]:
+        """Full, unsharded values under the unwrapped module's ``state_dict()`` keys (every name
+        of a tied parameter, persistent buffers, ``_extra_state``), on every rank."""
         self._require_root("full_state_dict")
-        values: dict[str, torch.Tensor] = {}
-        for unit in self._tree.units:
-            if unit._handle is not None:
-                values.update(unit._handle.full_values())
-        for fqn, mod, name in self._tree.buffers:
-            buf = mod._buffers[name]
-            assert buf is not None
-            values[fqn] = buf.detach().clone()
-        order = {name: i for i, name in enumerate(self._tree.param_names.values())}
-        return dict(sorted(values.items(), key=lambda kv: order.get(kv[0], len(order))))
+        return full_state_dict(self._tree, StateDictSettings(), self._tree.groups.shard.rank())
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load full values (as ``full_state_dict`` returns them) into the shards and buffers."""
+    def load_full_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> _IncompatibleKeys:
+        """Load what ``full_state_dict()`` (or the unwrapped module's ``state_dict()``) returns;
+        ``strict`` and the result as ``nn.Module.load_state_dict``."""
         self._require_root("load_full_state_dict")
-        expected = set(self._tree.param_names.values()) | {fqn for fqn, _, _ in self._tree.buffers}
-        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-        if missing or unexpected:
-            raise ValueError(f"state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        for unit in self._tree.units:
-            if unit._handle is not None:
-                for spec in unit._handle.layout.params:
-                    got = tuple(state_dict[spec.name].shape)
-                    if got != spec.shape:
-                        raise ValueError(f"state_dict[{spec.name!r}]: shape {got}, expected {spec.shape}")
-                unit._handle.load_values(state_dict)
-        with torch.no_grad():
-            for fqn, mod, name in self._tree.buffers:
-                buf = mod._buffers[name]
-                assert buf is not None
-                buf.copy_(state_dict[fqn])
+        return load_state_dict(self._tree, state_dict, strict=_strict(strict))
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Any:
+        """FSDP1's default: the full state dict under the unwrapped module's keys; inside
+        ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``, DTensor shards for
+        ``torch.distributed.checkpoint``. A collective: every rank calls it."""
+        self._require_root("state_dict")
+        if args:
+            raise TypeError("state_dict: pass destination, prefix and keep_vars by keyword")
+        tree = self._tree
+        settings = tree.state_dict_settings
+        if settings.kind is StateDictType.SHARDED_STATE_DICT:
+            values = sharded_state_dict(tree, settings, tree.mesh())
+        else:
+            values = full_state_dict(tree, settings, tree.groups.shard.rank())
+        out: Any = {} if destination is None else destination
+        for key, value in values.items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """The inverse of ``state_dict()``: full tensors or DTensors under the unwrapped
+        module's keys, copied into this rank's shards."""
+        self._require_root("load_state_dict")
+        if assign:
+            raise ValueError("load_state_dict: assign=True would replace the sharded parameters; use assign=False")
+        return load_state_dict(self._tree, state_dict, strict=_strict(strict))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type: object, state_dict_config: object = None,
+                        optim_state_dict_config: object = None) -> Iterator[None]:
+        """FSDP1's context manager: ``state_dict()`` / ``load_state_dict()`` of every FSDP root in
+        ``module`` use ``state_dict_type`` (ours or torch's ``StateDictType``) inside."""
+        previous = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                                 optim_state_dict_config)
+        try:
+            yield
+        finally:
+            for root in _roots(module):
+                root._tree.state_dict_settings = previous
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: object, state_dict_config: object = None,
+                            optim_state_dict_config: object = None) -> StateDictSettings:
+        """Set what ``state_dict()`` returns for every FSDP root in ``module``; returns the
+        previous settings."""
+        settings = state_dict_settings(state_dict_type, state_dict_config)
+        if optim_state_dict_config is not None:
+            state_dict_settings(state_dict_type, optim_state_dict_config)
+        roots = _roots(module)
+        if not roots:
+            raise ValueError("module: contains no FullyShardedDataParallel root")
+        previous = roots[0]._tree.state_dict_settings
+        for root in roots:
+            root._tree.state_dict_settings = settings
+        return previous
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by their total norm across all shards; returns that norm."""
@@ -334,11 +403,12 @@ class FullyShardedDataParallel(nn.Module):
             h = unit._handle
             if h is None:
                 continue
-            g = h.optimizer_grad()
-            if g is None:
+            unit_grads = h.optimizer_grads()
+            if not unit_grads:
                 continue
-            grads.append(g)
-            local = torch.linalg.vector_norm(g.detach().float(), p).to(device)
+            grads.extend(unit_grads)
+            norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), p) for g in unit_grads])
+            local = torch.linalg.vector_norm(norms, p).to(device)
             if p == float("inf"):
                 target = sharded if h.is_sharded else replicated
                 target.copy_(torch.maximum(target, local))
@@ -403,9 +473,8 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def _register_pre_backward(self, out: object) -> None:
-        leaves, _ = tree_flatten(out)
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in _tensors_in(out):
+            if t.requires_grad:
                 t.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -419,11 +488,14 @@ class FullyShardedDataParallel(nn.Module):
             self._handle.begin_backward()
             tree.gathers().run(UnshardEvent.PRE_BACKWARD, self._index)
             self._handle.finish_unshard()
+            if tree.use_orig_params:
+                self._handle.use_unsharded_views()
         return grad
 
     def _post_backward(self, param: torch.Tensor) -> None:
         h, tree = self._handle, self._tree
         assert h is not None
+        h.restore_params()
         grad = h.take_grad()
         sync = tree.sync_gradients
         flags = step_flags(h.carried.roles, sync_gradients=sync,
@@ -450,12 +522,38 @@ class FullyShardedDataParallel(nn.Module):
                 h = unit._handle
                 if h is None:
                     continue
+                h.restore_params()
                 if not keep:
                     h.free_unsharded()
                 h.expose()
             tree.backward_started = False
             tree.ctx.log.phase = Phase.OTHER
         tree.gathers().end_backward()
+
+
+def _tensors_in(out: object) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output, as FSDP1's ``_apply_to_tensors`` finds them: pytree
+    containers (tuples, lists, dicts, namedtuples, Hugging Face ``ModelOutput``) and dataclasses."""
+    seen: set[int] = set()
+    stack = [out]
+    while stack:
+        leaves, _ = tree_flatten(stack.pop())
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                stack.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+
+
+def _roots(module: nn.Module) -> list[FullyShardedDataParallel]:
+    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel) and m._is_root]
+
+
+def _strict(strict: object) -> bool:
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict: expected a bool, got {strict!r}")
+    return strict
 
 
 FSDP = FullyShardedDataParallel

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_core import (
     BackwardPrefetch,
@@ -39,6 +40,7 @@ from fsdp_shell.compat import (
 from fsdp_shell.groups import ProcessGroups, duplicate_group, resolve_groups
 from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun
 from fsdp_shell.runtime import CpuRuntime, CudaRuntime, Runtime
+from fsdp_shell.state_dict import StateDictSettings, StateEntry, state_entries
 from fsdp_shell.unshard import UnshardRunner
 
 if TYPE_CHECKING:
@@ -116,6 +118,20 @@ class Tree:
     forward_prefetch: bool = False
     unshard: UnshardRunner | None = None
     """The all-gather schedule, made once the root knows every unit."""
+    state_entries: tuple[StateEntry, ...] = ()
+    """The unwrapped module's ``state_dict()`` keys and where each value lives."""
+    state_dict_settings: StateDictSettings = StateDictSettings()
+    """What ``state_dict()`` returns now (``FSDP.state_dict_type``)."""
+    owners: dict[int, str] = field(default_factory=dict)
+    """During construction: which unit flattened each parameter (by ``id``), to refuse a
+    parameter shared across units."""
+    _mesh: DeviceMesh | None = None
+
+    def mesh(self) -> DeviceMesh:
+        """The shard group as a 1-D ``DeviceMesh`` (sharded state dicts), made once."""
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.groups.shard, self.device.type)
+        return self._mesh
 
     def gathers(self) -> UnshardRunner:
         """The all-gather schedule (set at the end of the root's construction)."""
@@ -137,11 +153,8 @@ def make_tree(module: nn.Module, options: Options, *, process_group: object, dev
         groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in names:
-            raise ValueError(
-                f"module: parameter {name} is shared with {names[id(p)]}; shared parameters are not supported"
-            )
-        names[id(p)] = name
+        names.setdefault(id(p), name)
+    entries = state_entries(module, names)
     module.to(device)
     log = CollectiveLog()
     ctx = ExecContext(
@@ -154,7 +167,7 @@ def make_tree(module: nn.Module, options: Options, *, process_group: object, dev
                 use_orig_params=o.use_orig_params, groups=groups, device=device, ctx=ctx, param_names=names,
                 division=Division(policy=o.division_policy, backend=groups.caps),
                 hybrid_all_reduce=o.hybrid_all_reduce, backward_prefetch=o.backward_prefetch,
-                forward_prefetch=o.forward_prefetch)
+                forward_prefetch=o.forward_prefetch, state_entries=entries)
     for mod_name, mod in module.named_modules():
         for buf_name in mod._buffers:
             if mod._buffers[buf_name] is not None:

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
+from torch.distributed.fsdp import FullStateDictConfig as TorchFullStateDictConfig
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+from torch.distributed.fsdp import StateDictType as TorchStateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_core import MixedPrecision, ShardingStrategy
@@ -24,6 +26,12 @@ class Tied(nn.Module):
         self.b.weight = self.a.weight
 
 
+def _half_frozen() -> nn.Module:
+    m = nn.Linear(3, 3)
+    m.bias.requires_grad_(False)
+    return m
+
+
 def _mixed_dtypes() -> nn.Module:
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     m[1].double()
@@ -33,7 +41,7 @@ def _mixed_dtypes() -> nn.Module:
 def _error(build: Callable[[], object]) -> str:
     try:
         build()
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
@@ -68,7 +76,16 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         "wrap-policy": _error(lambda: FSDP(lin(), auto_wrap_policy=42)),
         "device-id": _error(lambda: FSDP(lin(), device_id="gpu")),
         "use-orig-params": _error(lambda: FSDP(lin(), use_orig_params="yes")),  # type: ignore[arg-type]  # bad input on purpose
-        "shared-params": _error(lambda: FSDP(Tied())),
+        "shared-across-units": _error(lambda: FSDP(Tied(), auto_wrap_policy={nn.Linear})),
+        "frozen-beside-trainable-flat": _error(lambda: FSDP(_half_frozen())),
+        "state-dict-type": _error(lambda: FSDP.set_state_dict_type(FSDP(lin()), "LOCAL_STATE_DICT")),
+        "state-dict-type-local": _error(lambda: FSDP.set_state_dict_type(FSDP(lin()), TorchStateDictType.LOCAL_STATE_DICT)),
+        "state-dict-config": _error(lambda: FSDP.set_state_dict_type(
+            FSDP(lin()), TorchStateDictType.SHARDED_STATE_DICT, TorchFullStateDictConfig(rank0_only=True))),
+        "load-int-into-float": _error(lambda: FSDP(lin()).load_state_dict(
+            {"weight": torch.zeros(4, 4, dtype=torch.int64), "bias": torch.zeros(4)})),
+        "load-list": _error(lambda: FSDP(lin()).load_state_dict({"weight": [[0.0] * 4] * 4, "bias": torch.zeros(4)})),
+        "load-missing-strict": _error(lambda: FSDP(lin()).load_state_dict({"weight": torch.zeros(4, 4)})),
         "mixed-dtypes": _error(lambda: FSDP(_mixed_dtypes())),
         "hook-with-reduce-dtype": _error(hook_with_reduce_dtype),
         "not-a-module": _error(lambda: FSDP("model")),  # type: ignore[arg-type]  # bad input on purpose
