@@ -264,6 +264,10 @@ class FlatParamHandle:
             full[start:end].copy_(t.reshape(-1))
         return full
 
+    def shard_view(self, index: int) -> ShardView | None:
+        """Where this rank's shard holds part of original parameter ``index`` (None: nowhere)."""
+        return self._shard_views.get(index)
+
     def _sharded_view(self, index: int) -> torch.Tensor:
         """FSDP1's ``_use_sharded_views``: a 1-D slice of the local shard for sharded strategies
         (empty where this rank holds none of the parameter); the original shape for NO_SHARD."""

@@ -40,6 +40,8 @@ from fsdp_shell.collective_log import CollectiveRecord, Phase
 from fsdp_shell.comm_hooks import builtin_kind
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
 from fsdp_shell.interpreter import PlanRun
+from fsdp_shell.optim_state import optim_state_dict as optim_state_dict_of
+from fsdp_shell.optim_state import optim_state_dict_to_load
 from fsdp_shell.runtime import CudaRuntime
 from fsdp_shell.state_dict import (
     StateDictSettings,
@@ -377,6 +379,31 @@ class FullyShardedDataParallel(nn.Module):
                 root._tree.state_dict_settings = previous
 
     @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                         optim_state_dict: object = None, group: object = None) -> dict[str, Any]:
+        """FSDP1's ``FSDP.optim_state_dict``: ``optim``'s state under the original parameter
+        names, full or (inside ``state_dict_type(..., SHARDED_STATE_DICT)``) as DTensors that
+        ``torch.distributed.checkpoint`` saves. A collective."""
+        root = _root_of(model)
+        if optim_state_dict is not None or group is not None:
+            raise ValueError("optim_state_dict, group: not supported; the optimizer's own state is read")
+        tree = root._tree
+        return optim_state_dict_of(tree, optim, tree.state_dict_settings, tree.mesh(), tree.groups.shard.rank())
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+                                 optim_state_dict: Mapping[str, Any], is_named_optimizer: bool = False,
+                                 load_directly: bool = False, group: object = None) -> dict[str, Any]:
+        """FSDP1's inverse: what ``optim.load_state_dict`` takes on this rank (with
+        ``load_directly``, loaded and returned). A collective."""
+        if is_named_optimizer or group is not None:
+            raise ValueError("is_named_optimizer, group: not supported")
+        out = optim_state_dict_to_load(_root_of(model)._tree, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(out)
+        return out
+
+    @staticmethod
     def set_state_dict_type(module: nn.Module, state_dict_type: object, state_dict_config: object = None,
                             optim_state_dict_config: object = None) -> StateDictSettings:
         """Set what ``state_dict()`` returns for every FSDP root in ``module``; returns the
@@ -544,6 +571,13 @@ def _tensors_in(out: object) -> Iterator[torch.Tensor]:
             elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
                 seen.add(id(leaf))
                 stack.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+
+
+def _root_of(model: nn.Module) -> FullyShardedDataParallel:
+    roots = _roots(model)
+    if len(roots) != 1:
+        raise ValueError(f"model: expected one FullyShardedDataParallel root, found {len(roots)}")
+    return roots[0]
 
 
 def _roots(module: nn.Module) -> list[FullyShardedDataParallel]:
