@@ -254,9 +254,9 @@ class FullyShardedDataParallel(nn.Module):
         """The strategy every unit of this tree uses."""
         return self._tree.strategy
 
-    def flat_handles(self) -> list[FlatParamHandle]:
+    def _flat_handles(self) -> list[FlatParamHandle]:
         """The flat parameter of every unit of this tree, in construction order (children first)."""
-        self._require_root("flat_handles")
+        self._require_root("_flat_handles")
         return [u._handle for u in self._tree.units if u._handle is not None]
 
     def collective_log(self) -> list[CollectiveRecord]:

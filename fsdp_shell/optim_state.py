@@ -92,6 +92,12 @@ def _local_flat(slots: list[_Slot], state: Mapping[torch.Tensor, Mapping[str, ob
     return flat
 
 
+def _holds_none(slot: _Slot) -> bool:
+    """Whether this rank holds none of the slot's parameter: its scalars (``step``) are not the
+    parameter's (an optimizer never steps an empty view; only a template gives it state)."""
+    return slot.handle.use_orig_params and slot.handle.shard_view(slot.indices[0]) is None
+
+
 def _gathered(h: FlatParamHandle, local: torch.Tensor) -> torch.Tensor:
     if not h.is_sharded:
         return local
@@ -117,7 +123,7 @@ def optim_state_dict(tree: Tree, optim: torch.optim.Optimizer, settings: StateDi
                 if _is_elementwise(value, s.param):
                     assert isinstance(value, torch.Tensor)
                     local_keys.setdefault(unit_id, {})[key] = str(value.dtype).removeprefix("torch.")
-                else:
+                elif not _holds_none(s):
                     for name in s.names:
                         scalars.setdefault(name, {})[key] = value
     order = list(per_unit)

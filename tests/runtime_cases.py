@@ -167,7 +167,7 @@ def _lifetimes(strategy: ShardingStrategy, orig: bool) -> Lifetimes:
     del module
     gc.collect()
     if orig:
-        shards = {h.local.untyped_storage().data_ptr() for h in model.flat_handles()}
+        shards = {h.local.untyped_storage().data_ptr() for h in model._flat_handles()}
         seen.originals_not_shard_views = sum(p.untyped_storage().data_ptr() not in shards for p in model.parameters()
                                              if p.numel())
     else:
@@ -189,7 +189,7 @@ def _lifetimes(strategy: ShardingStrategy, orig: bool) -> Lifetimes:
 
         handle.take_grad = take_and_check  # type: ignore[method-assign]  # test-only instrumentation
 
-    for i, h in enumerate(model.flat_handles()):
+    for i, h in enumerate(model._flat_handles()):
         watch(f"unit{i}", h)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     for step in range(3):
@@ -234,7 +234,7 @@ def _prefetched(backward_prefetch: str | None, forward_prefetch: bool, rank: int
     seen = Prefetched()
     model = FSDP(make_model(32, 5), auto_wrap_policy={Layer}, backward_prefetch=backward_prefetch,
                  forward_prefetch=forward_prefetch)
-    handles = model.flat_handles()
+    handles = model._flat_handles()
     root = handles[-1]
     phase = ["forward"]
 

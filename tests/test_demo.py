@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_core import ShardingStrategy
+from fsdp_shell.demo.model import ModelConfig
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
 from fsdp_shell.launch import free_port, run_world
 
@@ -62,6 +63,25 @@ def test_check_against_the_single_process_reference(options: list[str]) -> None:
     done = demo("--steps", "4", "--check", *QUICK, *options)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "OK" in summary_value(done.stdout, "check")
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_hugging_face_models_check_against_the_reference(model: str) -> None:
+    pytest.importorskip("transformers")
+    done = demo("--model", model, "--steps", "4", "--check", *QUICK, "--use-orig-params")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "OK" in summary_value(done.stdout, "check")
+
+
+def test_gpt2_saved_flat_resumes_exactly_with_orig_params(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    base = DemoConfig(steps=6, batch_size=4, quiet=True, eval_every=100,
+                      model=ModelConfig(arch="gpt2", layers=2, width=32))
+    whole = _run(base, 2)
+    _run(dataclasses.replace(base, steps=3, save=str(tmp_path)), 2)
+    resumed = _run(dataclasses.replace(base, resume=str(tmp_path), use_orig_params=True), 2)
+    assert resumed.start_step == 3
+    assert resumed.losses == pytest.approx(whole.losses[3:], abs=1e-6)
 
 
 def _run(cfg: DemoConfig, world: int) -> RunResult:

@@ -157,7 +157,7 @@ def test_in_collective_division_on_nccl(nccl_world: None, factor: float | None) 
     (ref(x).square().mean() * scale).backward()
     flat = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     got = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-    want = torch.cat([flat[spec.name].reshape(-1) for h in model.flat_handles() for spec in h.layout.params])
+    want = torch.cat([flat[spec.name].reshape(-1) for h in model._flat_handles() for spec in h.layout.params])
     assert torch.allclose(got[: want.numel()], want, atol=1e-6)
 
 

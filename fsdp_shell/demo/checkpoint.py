@@ -1,54 +1,35 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint``, resumable on another world size.
 
-Each unit's flat parameter (without padding) and its AdamW moments are saved as DTensors
-sharded like the flat parameter (``Shard(0)`` over the shard group, ``Replicate`` over the
-replicate group), so every rank writes only its own shard, and DCP reshards on load when the
-number of ranks differs. ``meta.json`` records what must match for a resume: the model shape
-and every unit's flat layout.
+Only the public API: inside ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``
+the model's ``state_dict()`` and ``FSDP.optim_state_dict`` hold DTensors under the original
+parameter names, so every rank writes only its shard and DCP reshards on load when the number
+of ranks differs. ``meta.json`` records what must match for a resume: the model's entries and
+their shapes.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
-from fsdp_shell.flat_param import FlatParamHandle
 from fsdp_shell.fsdp import FullyShardedDataParallel
+from fsdp_shell.state_dict import StateDictType
 
 __all__ = ["CheckpointMismatch", "load_checkpoint", "read_meta", "save_checkpoint"]
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint was written for a different model or layout."""
 
 
-def _placements(h: FlatParamHandle, mesh: DeviceMesh) -> list[Placement]:
-    inner: Placement = Shard(0) if h.is_sharded else Replicate()
-    return [Replicate(), inner] if mesh.ndim == 2 else [inner]
-
-
-def _dtensor(h: FlatParamHandle, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    total = h.layout.total_numel
-    if h.is_sharded:
-        b = h.sharding.bounds(h.layout)
-        local = local[: b.numel]
-    else:
-        local = local[:total]
-    return DTensor.from_local(local, mesh, _placements(h, mesh), run_check=False,
-                              shape=torch.Size([total]), stride=(1,))
-
-
 def _ensure_state(opt: torch.optim.Optimizer) -> None:
+    """AdamW's state before its first step, so a template exists for DCP to load into."""
     for group in opt.param_groups:
         for p in group["params"]:
             if p not in opt.state or not opt.state[p]:
@@ -56,52 +37,24 @@ def _ensure_state(opt: torch.optim.Optimizer) -> None:
                                 "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _flat_moment(model: FullyShardedDataParallel, h: FlatParamHandle, opt: torch.optim.Optimizer,
-                 name: str) -> torch.Tensor:
-    if not h.use_orig_params:
-        moment: torch.Tensor = opt.state[h.flat_param][name]
-        return moment
-    buf = torch.zeros_like(h.local)
-    for view in h.sharding.shard_views(h.layout):
-        state = opt.state[h.orig_params[view.param_index]]
-        buf[view.offset_in_buffer : view.offset_in_buffer + view.numel].copy_(state[name].reshape(-1))
-    return buf
-
-
-def _scatter_moment(h: FlatParamHandle, opt: torch.optim.Optimizer, name: str, buf: torch.Tensor) -> None:
-    if not h.use_orig_params:
-        return
-    for view in h.sharding.shard_views(h.layout):
-        state = opt.state[h.orig_params[view.param_index]]
-        state[name].reshape(-1).copy_(buf[view.offset_in_buffer : view.offset_in_buffer + view.numel])
-
-
-def _state(model: FullyShardedDataParallel, opt: torch.optim.Optimizer, mesh: DeviceMesh
-           ) -> tuple[dict[str, DTensor], list[tuple[FlatParamHandle, str, torch.Tensor]]]:
+def _state(model: FullyShardedDataParallel, opt: torch.optim.Optimizer) -> dict[str, Any]:
     _ensure_state(opt)
-    state: dict[str, DTensor] = {}
-    moments: list[tuple[FlatParamHandle, str, torch.Tensor]] = []
-    for i, h in enumerate(model.flat_handles()):
-        state[f"unit{i}.param"] = _dtensor(h, h.local, mesh)
-        for name in MOMENTS:
-            buf = _flat_moment(model, h, opt, name)
-            moments.append((h, name, buf))
-            state[f"unit{i}.{name}"] = _dtensor(h, buf, mesh)
-    return state, moments
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        return {"model": model.state_dict(), "optim": FullyShardedDataParallel.optim_state_dict(model, opt)}
 
 
-def layout_signature(model: FullyShardedDataParallel) -> list[list[object]]:
-    """Per unit: original parameter names, shapes and the flat numel (what a resume must match)."""
-    return [[[p.name, list(p.shape)] for p in h.layout.params] + [h.layout.total_numel] for h in model.flat_handles()]
+def layout_signature(state: dict[str, Any]) -> list[list[object]]:
+    """The model's state-dict entries and their (global) shapes: what a resume must match."""
+    return [[name, list(value.shape)] for name, value in state["model"].items()]
 
 
 def save_checkpoint(directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer,
-                    mesh: DeviceMesh, meta: dict[str, object]) -> None:
+                    meta: dict[str, object]) -> None:
     """Write every rank's shards to ``directory`` (collective) and ``meta.json`` from rank 0."""
-    state, _ = _state(model, opt, mesh)
+    state = _state(model, opt)
     dcp_save(state, checkpoint_id=str(directory))
     if dist.get_rank() == 0:
-        record = dict(meta, layout=layout_signature(model))
+        record = dict(meta, layout=layout_signature(state))
         (directory / "meta.json").write_text(json.dumps(record, indent=2))
     dist.barrier()
 
@@ -115,18 +68,14 @@ def read_meta(directory: Path) -> dict[str, object]:
     return meta
 
 
-def load_checkpoint(directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer,
-                    mesh: DeviceMesh) -> dict[str, object]:
+def load_checkpoint(directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer) -> dict[str, object]:
     """Load the shards (resharding to this world) into the model and optimizer; returns the meta."""
     meta = read_meta(directory)
-    if meta.get("layout") != json.loads(json.dumps(layout_signature(model))):
-        raise CheckpointMismatch(f"--resume: {directory} was saved from a different model or flat layout")
-    state, moments = _state(model, opt, mesh)
+    state = _state(model, opt)
+    if meta.get("layout") != json.loads(json.dumps(layout_signature(state))):
+        raise CheckpointMismatch(f"--resume: {directory} was saved from a different model")
     dcp_load(state, checkpoint_id=str(directory))
-    step = float(meta["step"])  # type: ignore[arg-type]  # written by save_checkpoint as a number
-    for h, name, buf in moments:
-        _scatter_moment(h, opt, name, buf)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            opt.state[p]["step"] = torch.tensor(step)
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(state["model"])
+        FullyShardedDataParallel.optim_state_dict_to_load(model, opt, state["optim"], load_directly=True)
     return meta

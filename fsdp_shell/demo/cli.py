@@ -37,6 +37,7 @@ from fsdp_core import (  # noqa: E402
 from fsdp_shell.cli_parser import OneLineErrorParser  # noqa: E402
 from fsdp_shell.demo.checkpoint import CheckpointMismatch, read_meta  # noqa: E402
 from fsdp_shell.demo.model import ModelConfig  # noqa: E402
+from fsdp_shell.demo import models  # noqa: E402
 from fsdp_shell.demo.train import DemoConfig, RunResult, check_tolerance, run_rank  # noqa: E402
 from fsdp_shell.launch import run_world  # noqa: E402
 
@@ -65,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--model", default="tiny", choices=list(models.ARCHS),
+                   help="tiny (the demo's own), or a tiny Hugging Face gpt2 / llama (needs transformers)")
     p.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
     p.add_argument("--width", type=int, default=64, help="model width (default 64)")
     p.add_argument("--eval-every", type=int, default=25, help="held-out evaluation interval in steps")
@@ -109,6 +112,8 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
         raise BadArgument(f"--shard-size: {shard} does not divide the {world} processes; accepted: a divisor of {world}")
     if a.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise BadArgument("--plot: needs matplotlib; install it with pip install '.[plot]'")
+    if a.model != "tiny" and importlib.util.find_spec("transformers") is None:
+        raise BadArgument(f"--model {a.model}: needs transformers; install it with pip install -e '.[hf]'")
     if a.check and a.resume is not None:
         raise BadArgument("--check: compares a whole run from step 0 with the reference; drop --resume")
     cfg = DemoConfig(
@@ -116,7 +121,7 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
         mixed_precision=a.mixed_precision, offload=a.offload, use_orig_params=a.use_orig_params,
         grad_accum=a.grad_accum, comm_hook=hook, clip=a.clip, seed=a.seed, lr=a.lr, eval_every=a.eval_every,
         check=a.check, save=a.save, resume=a.resume, profile=a.profile, quiet=a.quiet,
-        model=ModelConfig(layers=a.layers, width=a.width),
+        model=ModelConfig(layers=a.layers, width=a.width, arch=a.model),
     )
     _validate_plan_options(cfg, world)
     if cfg.resume is not None:
@@ -146,9 +151,6 @@ def _validate_resume(cfg: DemoConfig) -> None:
         raise BadArgument(str(exc)) from None
     if meta.get("model") != dataclasses.asdict(cfg.model):
         raise BadArgument(f"--resume: {cfg.resume} holds a checkpoint of a different model ({meta.get('model')})")
-    if meta.get("use_orig_params") != cfg.use_orig_params or meta.get("mixed_precision") != cfg.mixed_precision:
-        raise BadArgument(f"--resume: {cfg.resume} was saved with another flat layout "
-                          "(--use-orig-params/--mixed-precision must match)")
     step = meta.get("step")
     if not isinstance(step, int) or step >= cfg.steps:
         raise BadArgument(f"--steps: the checkpoint is at step {step}; ask for more steps than that")

@@ -20,6 +20,8 @@ class ModelConfig:
     width: int = 64
     heads: int = 4
     layers: int = 3
+    arch: str = "tiny"
+    """``tiny`` (``TinyLM``), ``gpt2`` or ``llama`` (``fsdp_shell.demo.models``)."""
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""The demo's training worker: one rank of an FSDP run of ``TinyLM`` on standard-library bytes."""
+"""The demo's training worker: one rank of an FSDP run of its model (``TinyLM``, GPT-2 or Llama) on standard-library bytes."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from fsdp_core.comm import ring_bytes
 from fsdp_shell import comm_hooks
 from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_shell.demo.data import Corpus, load_corpus
-from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
+from fsdp_shell.demo import models
+from fsdp_shell.demo.model import ModelConfig, lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
 from fsdp_shell.collective_log import CollectiveRecord
 
@@ -111,18 +112,19 @@ def _wire_bytes(entries: list[CollectiveRecord], sizes: dict[Group, int], sharde
     return total
 
 
-def build_model(cfg: DemoConfig, mesh: DeviceMesh, device: torch.device) -> tuple[FullyShardedDataParallel, TinyLM]:
-    """The FSDP-wrapped model (each ``Block`` a unit) and, for ``--check``, nothing else: the
-    same seed gives the same initial weights to the reference."""
+def build_model(cfg: DemoConfig, mesh: DeviceMesh, device: torch.device) -> tuple[FullyShardedDataParallel, int]:
+    """The FSDP-wrapped model (each ``Block`` a unit; the same seed gives the reference the
+    same initial weights) and its number of parameters."""
     torch.manual_seed(cfg.seed)
-    module = TinyLM(cfg.model)
+    module, block = models.build(cfg.model)
+    numel = sum(p.numel() for p in module.parameters())
     model = FullyShardedDataParallel(
-        module, sharding_strategy=cfg.strategy, auto_wrap_policy={Block}, mixed_precision=cfg.mixed(),
+        module, sharding_strategy=cfg.strategy, auto_wrap_policy={block}, mixed_precision=cfg.mixed(),
         cpu_offload=CPUOffload(offload_params=cfg.offload), use_orig_params=cfg.use_orig_params,
         device_mesh=mesh, device_id=device,
     )
     _hook(model, cfg.comm_hook)
-    return model, module
+    return model, numel
 
 
 def _held_out_loss(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, rank: int, world: int,
@@ -134,7 +136,7 @@ def _held_out_loss(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, rank
             x, y = corpus.batch(seed=cfg.seed, step=10_000 + k, micro=0, rows=rows * world, seq=cfg.model.seq,
                                 held_out=True)
             x, y = x[rank * rows : (rank + 1) * rows].to(device), y[rank * rows : (rank + 1) * rows].to(device)
-            total += lm_loss(model(x), y)
+            total += lm_loss(models.logits(model, x, cfg.model.arch), y)
     dist.all_reduce(total)
     return float(total) / (4 * world)
 
@@ -143,13 +145,13 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
     """Train on this rank (inside an initialised process group) and report."""
     device = _device()
     mesh = _mesh(cfg, world, device.type)
-    model, _ = build_model(cfg, mesh, device)
+    model, numel = build_model(cfg, mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     corpus = load_corpus()
-    result = RunResult(rank=rank, world=world, units=len(model.flat_handles()),
-                       params=sum(h.layout.numel_without_padding for h in model.flat_handles()))
+    units = sum(1 for m in model.modules() if isinstance(m, FullyShardedDataParallel))
+    result = RunResult(rank=rank, world=world, units=units, params=numel)
     if cfg.resume is not None:
-        meta = load_checkpoint(Path(cfg.resume), model, opt, mesh)
+        meta = load_checkpoint(Path(cfg.resume), model, opt)
         result.start_step = int(str(meta["step"]))
     rows, seq = cfg.batch_size, cfg.model.seq
     result.tokens_per_step = rows * world * seq * cfg.grad_accum
@@ -168,7 +170,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
                 x, y = x[rank * rows : (rank + 1) * rows].to(device), y[rank * rows : (rank + 1) * rows].to(device)
                 sync = micro == cfg.grad_accum - 1
                 with model.no_sync() if not sync else contextlib.nullcontext():
-                    loss = lm_loss(model(x), y) / cfg.grad_accum
+                    loss = lm_loss(models.logits(model, x, cfg.model.arch), y) / cfg.grad_accum
                     torch.autograd.backward(loss)
                 step_loss += loss.detach()
             if cfg.clip is not None:
@@ -192,7 +194,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
     if cfg.save is not None:
         directory = Path(cfg.save)
         directory.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(directory, model, opt, mesh, {
+        save_checkpoint(directory, model, opt, {
             "step": cfg.steps, "model": vars(cfg.model), "seed": cfg.seed,
             "strategy": cfg.strategy.name, "world": world, "mixed_precision": cfg.mixed_precision,
             "use_orig_params": cfg.use_orig_params,
@@ -222,15 +224,21 @@ def _profiler(cfg: DemoConfig, rank: int) -> torch.profiler.profile | None:
 
 
 def reference_params(cfg: DemoConfig, corpus: Corpus, world: int) -> dict[str, torch.Tensor]:
-    """A plain single-process ``TinyLM`` trained in fp32 on the same global batches."""
+    """The same model, plain and single-process, trained in fp32 on the same global batches:
+    each rank's rows forward and backward on their own and the gradients averaged, as data
+    parallelism defines it (one forward over all rows rounds differently, and AdamW amplifies
+    that to ~2e-4 in 20 steps of GPT-2)."""
     torch.manual_seed(cfg.seed)
-    model = TinyLM(cfg.model)
+    model, _ = models.build(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    rows, seq = cfg.batch_size * world, cfg.model.seq
+    rows, seq = cfg.batch_size, cfg.model.seq
     for step in range(cfg.steps):
         for micro in range(cfg.grad_accum):
-            x, y = corpus.batch(seed=cfg.seed, step=step, micro=micro, rows=rows, seq=seq)
-            torch.autograd.backward(lm_loss(model(x), y) / cfg.grad_accum)
+            x, y = corpus.batch(seed=cfg.seed, step=step, micro=micro, rows=rows * world, seq=seq)
+            for r in range(world):
+                part = slice(r * rows, (r + 1) * rows)
+                loss = lm_loss(models.logits(model, x[part], cfg.model.arch), y[part])
+                torch.autograd.backward(loss / (cfg.grad_accum * world))
         if cfg.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
