@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import math
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -36,6 +38,7 @@ from fsdp_core import (
     UnshardEvent,
     step_flags,
 )
+from fsdp_shell.agreement import check_agreement
 from fsdp_shell.collective_log import CollectiveRecord, Phase
 from fsdp_shell.comm_hooks import builtin_kind
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
@@ -311,7 +314,10 @@ class FullyShardedDataParallel(nn.Module):
         if not callable(hook):
             raise TypeError(f"hook: expected a callable, got {hook!r}")
         if self._tree.comm_hook is not None:
-            raise AssertionError("register_comm_hook: a communication hook is already registered")
+            raise ValueError("hook: a communication hook is already registered; FSDP takes one")
+        if self._tree.agreement_seconds is not None:
+            raise ValueError("hook: register the communication hook before the first forward (as in FSDP1)")
+        _check_hook_signature(hook, state, self._tree.strategy)
         kind = builtin_kind(hook)
         self._replan(comm_hook=kind)
 
@@ -419,9 +425,18 @@ class FullyShardedDataParallel(nn.Module):
             root._tree.state_dict_settings = settings
         return previous
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
         """Clip all gradients by their total norm across all shards; returns that norm."""
         self._require_root("clip_grad_norm_")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not math.isfinite(max_norm) \
+                or max_norm < 0:
+            raise ValueError(f"max_norm: expected a finite number >= 0, got {max_norm!r}")
+        if norm_type == "inf":
+            norm_type = float("inf")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+            raise TypeError(f"norm_type: expected a number > 0 or inf, got {norm_type!r}")
+        if math.isnan(norm_type) or norm_type <= 0:
+            raise ValueError(f"norm_type: expected a number > 0 or inf, got {norm_type!r}")
         p = float(norm_type)
         device = self._tree.device
         sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
@@ -468,6 +483,10 @@ class FullyShardedDataParallel(nn.Module):
         tree, h = self._tree, self._handle
         grad_on = torch.is_grad_enabled()
         if self._is_root:
+            if tree.agreement_seconds is None:
+                tree.agreement_seconds = check_agreement(tree)
+            if tree.backward_started or tree.runs:
+                self._reset_backward()
             tree.ctx.runtime.drain()
             tree.ctx.log.phase = Phase.FORWARD
             for unit in tree.units:
@@ -498,6 +517,29 @@ class FullyShardedDataParallel(nn.Module):
         if grad_on:
             self._register_pre_backward(out)
         return out
+
+    def _reset_backward(self) -> None:
+        """The previous backward did not finish (an exception in a hook, or in the user's code
+        between backward's start and its end): drop its half-done work, as FSDP1's root
+        forward does, so this step starts clean. Gradients it had not finished are lost, as they
+        are in FSDP1; those handed to the optimizer before stay."""
+        tree = self._tree
+        tree.runs = []
+        try:
+            tree.ctx.runtime.drain()
+        except RuntimeError:
+            pass
+        for unit in tree.units:
+            h = unit._handle
+            if h is not None:
+                h.restore_params()
+                if unit._pre_backward_ran:
+                    h.flat_param.grad = None
+                    h.expose()
+                h.free_unsharded()
+            unit._pre_backward_ran = False
+        tree.backward_started = False
+        tree.ctx.log.phase = Phase.OTHER
 
     def _register_pre_backward(self, out: object) -> None:
         for t in _tensors_in(out):
@@ -571,6 +613,25 @@ def _tensors_in(out: object) -> Iterator[torch.Tensor]:
             elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
                 seen.add(id(leaf))
                 stack.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+
+
+def _check_hook_signature(hook: Callable[..., Any], state: object, strategy: ShardingStrategy) -> None:
+    """The plan calls ``hook(state, grad, output)`` for sharded strategies (reduce into this
+    rank's shard) and ``hook(state, grad)`` otherwise; a hook that cannot take that is refused
+    now rather than half-way through a backward."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return
+    args: tuple[object, ...] = (state, None, None) if strategy.is_sharded else (state, None)
+    try:
+        signature.bind(*args)
+    except TypeError:
+        wanted = "hook(state, grad, output)" if strategy.is_sharded else "hook(state, grad)"
+        name = getattr(hook, "__name__", repr(hook))
+        advice = (" (torch's allreduce_hook is for NO_SHARD; use reduce_scatter_hook)"
+                  if strategy.is_sharded and name == "allreduce_hook" else "")
+        raise TypeError(f"hook: {strategy.name} calls {wanted}, which {name}{signature} cannot take{advice}") from None
 
 
 def _root_of(model: nn.Module) -> FullyShardedDataParallel:

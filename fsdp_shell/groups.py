@@ -117,4 +117,22 @@ def resolve_groups(
             f"process_group: {strategy.name} takes one group; a (shard, replicate) pair or 2-D mesh needs "
             "HYBRID_SHARD or HYBRID_SHARD_ZERO2"
         )
+    if groups.replicate is not None:
+        _check_tiling(groups.shard, groups.replicate)
     return groups
+
+
+def _check_tiling(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> None:
+    """A hybrid pair must tile the world: this rank is the only rank in both groups, and shard
+    size x replicate size is the world size (that every rank's pair fits the others' is checked
+    across ranks at the first forward, ``fsdp_shell.agreement``)."""
+    me = dist.get_rank()
+    s, r = dist.get_process_group_ranks(shard), dist.get_process_group_ranks(replicate)
+    world = dist.get_world_size()
+    if shard is replicate or set(s) & set(r) != {me}:
+        raise ValueError(f"process_group: the shard group {s} and the replicate group {r} must share exactly "
+                         f"this rank ({me}); pass (shard_group, replicate_group) from a 2-D layout, e.g. "
+                         "init_device_mesh(..., (replicas, shard_size)).get_group(1), .get_group(0)")
+    if len(s) * len(r) != world:
+        raise ValueError(f"process_group: shard size {len(s)} x replicate size {len(r)} = {len(s) * len(r)} "
+                         f"ranks, but the world has {world}; the pair must tile the world")

@@ -126,6 +126,8 @@ class Tree:
     """During construction: which unit flattened each parameter (by ``id``), to refuse a
     parameter shared across units."""
     _mesh: DeviceMesh | None = None
+    agreement_seconds: float | None = None
+    """How long the ranks' agreement check took at the first forward (None: not yet run)."""
 
     def mesh(self) -> DeviceMesh:
         """The shard group as a 1-D ``DeviceMesh`` (sharded state dicts), made once."""
@@ -144,6 +146,13 @@ def make_tree(module: nn.Module, options: Options, *, process_group: object, dev
     """The tree's groups, device, runtime and plan cache for ``module`` (a collective when the
     groups must be made: every rank calls it)."""
     o = options
+    device_id = _checked_device_id(device_id)
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    if not names:
+        raise ValueError(f"module: {type(module).__name__} has no parameters; there is nothing to shard")
+    entries = state_entries(module, names)
     probe = torch.device(device_id) if isinstance(device_id, torch.device) else None
     device_type = probe.type if probe is not None else ("cuda" if isinstance(device_id, int) else "cpu")
     groups = resolve_groups(o.strategy, process_group, device_mesh, device_type)
@@ -151,10 +160,6 @@ def make_tree(module: nn.Module, options: Options, *, process_group: object, dev
     own_gathers = o.hybrid_all_reduce is HybridAllReduce.SYNC and device.type != "cuda"
     if own_gathers:
         groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    entries = state_entries(module, names)
     module.to(device)
     log = CollectiveLog()
     ctx = ExecContext(
@@ -179,6 +184,9 @@ def wrap_policy(auto_wrap_policy: object) -> WrapPolicy | None:
     """``auto_wrap_policy`` as a predicate on modules; ``TypeError`` naming it otherwise."""
     if auto_wrap_policy is None:
         return None
+    if isinstance(auto_wrap_policy, type) and issubclass(auto_wrap_policy, nn.Module):
+        raise TypeError(f"auto_wrap_policy: got the class {auto_wrap_policy.__name__} itself; pass a set of classes, "
+                        f"{{{auto_wrap_policy.__name__}}}, or ModuleWrapPolicy({{{auto_wrap_policy.__name__}}})")
     classes = getattr(auto_wrap_policy, "_module_classes", None)
     if classes is not None:
         auto_wrap_policy = set(classes)
@@ -196,13 +204,30 @@ def wrap_policy(auto_wrap_policy: object) -> WrapPolicy | None:
     )
 
 
+def _checked_device_id(device_id: object) -> object:
+    """``device_id`` as FSDP1 takes it (None, a CUDA index, a ``torch.device``), checked against
+    this machine before any process group is touched."""
+    if device_id is None:
+        return None
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        device_id = torch.device("cuda", device_id)
+    if not isinstance(device_id, torch.device):
+        raise TypeError(f"device_id: expected None, an int or a torch.device, got {device_id!r}")
+    if device_id.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device_id: {device_id} names a CUDA device, but CUDA is not available here; "
+                             "pass None or torch.device('cpu')")
+        if device_id.index is not None and not 0 <= device_id.index < count:
+            raise ValueError(f"device_id: {device_id} does not exist; this machine has CUDA devices 0..{count - 1}")
+    return device_id
+
+
 def _device(device_id: object, groups: ProcessGroups) -> torch.device:
     if device_id is None:
         if groups.backend == "nccl" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    if isinstance(device_id, int) and not isinstance(device_id, bool):
-        return torch.device("cuda", device_id)
     if isinstance(device_id, torch.device):
         return device_id
     raise TypeError(f"device_id: expected None, an int or a torch.device, got {device_id!r}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._comm_hooks import default_hooks as torch_default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
 from torch.distributed.fsdp import FullStateDictConfig as TorchFullStateDictConfig
@@ -66,7 +68,40 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         model.register_comm_hook(comm_hooks.DefaultState(model.process_group), comm_hooks.allreduce_hook)
         model.set_gradient_divide_factor(2.0)
 
+    solo = [dist.new_group([r]) for r in range(world)]
+    solo_again = [dist.new_group([r]) for r in range(world)]
+    world_group = dist.group.WORLD
+    assert isinstance(world_group, dist.ProcessGroup)
+
+    def hook_twice() -> None:
+        model = FSDP(lin())
+        model.register_comm_hook(comm_hooks.DefaultState(model.process_group), comm_hooks.reduce_scatter_hook)
+        model.register_comm_hook(comm_hooks.DefaultState(model.process_group), comm_hooks.reduce_scatter_hook)
+
+    def hook_after_forward() -> None:
+        model = FSDP(lin())
+        model(torch.randn(2, 4))
+        model.register_comm_hook(comm_hooks.DefaultState(model.process_group), comm_hooks.reduce_scatter_hook)
+
+    def clip(max_norm: object, norm_type: object = 2.0) -> Callable[[], object]:
+        return lambda: FSDP(lin()).clip_grad_norm_(max_norm, norm_type)  # type: ignore[arg-type]  # bad input on purpose
+
     return {
+        "hybrid-pair-same-group": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                                                      process_group=(world_group, world_group))),
+        "hybrid-pair-not-tiling": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                                                      process_group=(solo[rank], solo_again[rank]))),
+        "hook-signature": _error(lambda: FSDP(lin()).register_comm_hook(
+            torch_default_hooks.DefaultState(world_group), torch_default_hooks.allreduce_hook)),
+        "hook-twice": _error(hook_twice),
+        "hook-after-forward": _error(hook_after_forward),
+        "clip-negative": _error(clip(-1.0)),
+        "clip-nan": _error(clip(float("nan"))),
+        "clip-norm-type-negative": _error(clip(1.0, -2.0)),
+        "clip-norm-type-string": _error(clip(1.0, "two")),
+        "device-id-without-cuda": _error(lambda: FSDP(lin(), device_id=7)),
+        "no-parameters": _error(lambda: FSDP(nn.ReLU())),
+        "wrap-policy-bare-class": _error(lambda: FSDP(lin(), auto_wrap_policy=nn.Linear)),
         "strategy": _error(lambda: FSDP(lin(), sharding_strategy="QUARTER_SHARD")),
         "hybrid-without-groups": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
         "pair-for-flat": _error(lambda: FSDP(lin(), process_group=pair)),

@@ -143,6 +143,9 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         (["--width", "30"], "--width"),
         (["--resume", "/nonexistent/dir"], "--resume"),
         (["--check", "--resume", "/tmp"], "--check"),
+        (["--lr", "-0.1"], "--lr"),
+        (["--save", str(ROOT / "README.md" / "ckpt")], "--save"),
+        (["--profile", str(ROOT / "README.md" / "traces")], "--profile"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> None:

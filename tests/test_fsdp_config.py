@@ -11,6 +11,18 @@ from tests.dist_harness import run_world
 from tests.fsdp_config_cases import bad_configurations, torch_config_objects
 
 EXPECTED = {
+    "hybrid-pair-same-group": ("ValueError", "process_group"),
+    "hybrid-pair-not-tiling": ("ValueError", "must tile the world"),
+    "hook-signature": ("TypeError", "hook: FULL_SHARD calls hook(state, grad, output)"),
+    "hook-twice": ("ValueError", "already registered"),
+    "hook-after-forward": ("ValueError", "before the first forward"),
+    "clip-negative": ("ValueError", "max_norm"),
+    "clip-nan": ("ValueError", "max_norm"),
+    "clip-norm-type-negative": ("ValueError", "norm_type"),
+    "clip-norm-type-string": ("TypeError", "norm_type"),
+    "device-id-without-cuda": ("ValueError", "device_id"),
+    "no-parameters": ("ValueError", "no parameters"),
+    "wrap-policy-bare-class": ("TypeError", "auto_wrap_policy"),
     "strategy": ("ValueError", "sharding_strategy"),
     "hybrid-without-groups": ("ValueError", "process_group"),
     "pair-for-flat": ("ValueError", "process_group"),

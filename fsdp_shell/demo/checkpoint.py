@@ -4,7 +4,8 @@ Only the public API: inside ``FSDP.state_dict_type(model, StateDictType.SHARDED_
 the model's ``state_dict()`` and ``FSDP.optim_state_dict`` hold DTensors under the original
 parameter names, so every rank writes only its shard and DCP reshards on load when the number
 of ranks differs. ``meta.json`` records what must match for a resume: the model's entries and
-their shapes.
+their shapes. Saving and loading go through ``fsdp_shell.checkpoint`` (versions made current
+atomically, files checked against a manifest).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from fsdp_shell import checkpoint
 
 from fsdp_shell.fsdp import FullyShardedDataParallel
 from fsdp_shell.state_dict import StateDictType
 
 __all__ = ["CheckpointMismatch", "load_checkpoint", "read_meta", "save_checkpoint"]
+
+CheckpointError = checkpoint.CheckpointError
 
 
 class CheckpointMismatch(ValueError):
@@ -50,31 +52,25 @@ def layout_signature(state: dict[str, Any]) -> list[list[object]]:
 
 def save_checkpoint(directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer,
                     meta: dict[str, object]) -> None:
-    """Write every rank's shards to ``directory`` (collective) and ``meta.json`` from rank 0."""
+    """Write a new version of ``directory`` (collective) and make it current only when complete
+    (``fsdp_shell.checkpoint``): a run killed while saving leaves the previous checkpoint."""
     state = _state(model, opt)
-    dcp_save(state, checkpoint_id=str(directory))
-    if dist.get_rank() == 0:
-        record = dict(meta, layout=layout_signature(state))
-        (directory / "meta.json").write_text(json.dumps(record, indent=2))
-    dist.barrier()
+    checkpoint.save_checkpoint(directory, state, dict(meta, layout=layout_signature(state)))
 
 
 def read_meta(directory: Path) -> dict[str, object]:
-    """The checkpoint's ``meta.json``; raises ``CheckpointMismatch`` when there is none."""
-    path = directory / "meta.json"
-    if not path.is_file():
-        raise CheckpointMismatch(f"--resume: {directory} holds no fsdp-demo checkpoint (no meta.json)")
-    meta: dict[str, object] = json.loads(path.read_text())
-    return meta
+    """The current checkpoint's metadata, after checking every file against the manifest;
+    ``CheckpointError`` (one line) when the directory holds no intact checkpoint."""
+    return checkpoint.read_meta(directory)
 
 
 def load_checkpoint(directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer) -> dict[str, object]:
-    """Load the shards (resharding to this world) into the model and optimizer; returns the meta."""
-    meta = read_meta(directory)
+    """Verify and load the current checkpoint (resharding to this world) into the model and
+    optimizer; returns its metadata."""
     state = _state(model, opt)
+    meta = checkpoint.load_checkpoint(directory, state)
     if meta.get("layout") != json.loads(json.dumps(layout_signature(state))):
         raise CheckpointMismatch(f"--resume: {directory} was saved from a different model")
-    dcp_load(state, checkpoint_id=str(directory))
     with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         model.load_state_dict(state["model"])
         FullyShardedDataParallel.optim_state_dict_to_load(model, opt, state["optim"], load_directly=True)

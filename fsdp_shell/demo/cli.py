@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import gc
 import importlib.util
+import math
 import os
 import statistics
 import sys
@@ -35,7 +36,7 @@ from fsdp_core import (  # noqa: E402
     ShardingStrategy,
 )
 from fsdp_shell.cli_parser import OneLineErrorParser  # noqa: E402
-from fsdp_shell.demo.checkpoint import CheckpointMismatch, read_meta  # noqa: E402
+from fsdp_shell.demo.checkpoint import CheckpointError, read_meta  # noqa: E402
 from fsdp_shell.demo.model import ModelConfig  # noqa: E402
 from fsdp_shell.demo import models  # noqa: E402
 from fsdp_shell.demo.train import DemoConfig, RunResult, check_tolerance, run_rank  # noqa: E402
@@ -103,6 +104,11 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
             raise BadArgument(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(a, name)}")
     if a.width % 4:
         raise BadArgument(f"--width: must be a multiple of 4 (the number of heads), got {a.width}")
+    if not (a.lr > 0 and math.isfinite(a.lr)):
+        raise BadArgument(f"--lr: expected a positive learning rate, got {a.lr}")
+    for flag, path in (("--save", a.save), ("--profile", a.profile)):
+        if path is not None:
+            _check_writable(flag, Path(path))
     if a.clip is not None and not a.clip > 0:
         raise BadArgument(f"--clip: expected a positive norm, got {a.clip}")
     if a.shard_size is not None and not strategy.is_hybrid:
@@ -129,6 +135,19 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
     return cfg, world, a.plot
 
 
+def _check_writable(flag: str, path: Path) -> None:
+    """``path`` is, or can be made, a directory this process can write into."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise BadArgument(f"{flag}: {probe} is a file; expected a directory (or a path where one can be made)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise BadArgument(f"{flag}: {probe} is not writable")
+
+
 def _validate_plan_options(cfg: DemoConfig, world: int) -> None:
     """Let the core refuse impossible option combinations before any process starts."""
     mp = cfg.mixed() or MixedPrecision()
@@ -145,10 +164,9 @@ def _validate_plan_options(cfg: DemoConfig, world: int) -> None:
 
 def _validate_resume(cfg: DemoConfig) -> None:
     assert cfg.resume is not None
-    try:
-        meta = read_meta(Path(cfg.resume))
-    except CheckpointMismatch as exc:
-        raise BadArgument(str(exc)) from None
+    if not Path(cfg.resume).is_dir():
+        raise BadArgument(f"--resume: {cfg.resume} is not a directory")
+    meta = read_meta(Path(cfg.resume))
     if meta.get("model") != dataclasses.asdict(cfg.model):
         raise BadArgument(f"--resume: {cfg.resume} holds a checkpoint of a different model ({meta.get('model')})")
     step = meta.get("step")
@@ -211,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadArgument as exc:
         print(f"fsdp-demo: error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:
+        print(f"fsdp-demo: error: --resume: {exc}", file=sys.stderr)
+        return 1
     if _under_torchrun():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":

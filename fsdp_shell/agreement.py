@@ -1,0 +1,115 @@
+"""Ranks agree before the first collective: the verifier's promise carried across ranks.
+
+At the root's first forward every rank describes what must be the same everywhere (strategy,
+group sizes, the unit tree with every parameter's name, shape and dtype, mixed precision,
+offload, comm hook, division, prefetch, and each unit's plan request) and how its groups are
+made; one small all-gather of a digest and the group ranks compares them. On a mismatch every
+rank gathers the descriptions and raises the same ``RankMismatchError`` naming the first field
+that differs and each rank's value, so no mismatched collective is ever issued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from fsdp_shell.tree import Tree
+
+__all__ = ["RankMismatchError", "check_agreement", "describe"]
+
+Field = tuple[str, str]
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks were built differently; raised identically on every rank."""
+
+
+def describe(tree: Tree) -> tuple[Field, ...]:
+    """What must agree across ranks, as (field, value) pairs in a fixed order."""
+    fields: list[Field] = [
+        ("sharding_strategy", tree.strategy.name),
+        ("shard group size", str(tree.groups.shard_size)),
+        ("replicate group size", str(tree.groups.replicate_size)),
+        ("use_orig_params", str(tree.use_orig_params)),
+        ("mixed_precision", repr(tree.mixed_precision)),
+        ("cpu_offload", repr(tree.offload)),
+        ("comm hook", tree.comm_hook_kind.value),
+        ("division", repr(tree.division)),
+        ("hybrid_all_reduce", tree.hybrid_all_reduce.value),
+        ("backward_prefetch", str(tree.backward_prefetch)),
+        ("forward_prefetch", str(tree.forward_prefetch)),
+        ("number of FSDP units", str(len(tree.units))),
+    ]
+    for index, unit in enumerate(tree.units):
+        h = unit._handle
+        if h is None:
+            fields.append((f"unit {index}", "no parameters"))
+            continue
+        params = ", ".join(f"{p.name}{list(p.shape)}" for p in h.layout.params)
+        fields.append((f"unit {index} parameters", f"{params} ({h.orig_dtype}, requires_grad "
+                                                    f"{h.flat_param.requires_grad})"))
+        request = dataclasses.replace(h.request, sharding=dataclasses.replace(h.request.sharding, rank=0))
+        fields.append((f"unit {index} plan request", hashlib.sha256(repr(request).encode()).hexdigest()[:16]))
+    return tuple(fields)
+
+
+def _group(tree: Tree) -> dist.ProcessGroup | None:
+    """The default group when the FSDP groups cover the world, else the shard group."""
+    covered = tree.groups.shard_size * tree.groups.replicate_size
+    return None if covered == dist.get_world_size() else tree.groups.shard
+
+
+def check_agreement(tree: Tree) -> float:
+    """Compare this rank's description with every other rank's (a collective); raise
+    ``RankMismatchError`` on every rank if they differ. Returns the seconds it took."""
+    start = time.perf_counter()
+    fields = describe(tree)
+    digest = hashlib.sha256(repr(fields).encode()).hexdigest()
+    shard = dist.get_process_group_ranks(tree.groups.shard)
+    replicate = dist.get_process_group_ranks(tree.groups.replicate) if tree.groups.replicate is not None else []
+    group = _group(tree)
+    size = dist.get_world_size(group)
+    everyone: list[tuple[int, str, list[int], list[int]] | None] = [None] * size
+    dist.all_gather_object(everyone, (dist.get_rank(), digest, shard, replicate), group=group)
+    seen = [e for e in everyone if e is not None]
+    if len({d for _, d, _, _ in seen}) > 1:
+        details: list[tuple[int, tuple[Field, ...]] | None] = [None] * size
+        dist.all_gather_object(details, (dist.get_rank(), fields), group=group)
+        raise RankMismatchError(_first_difference([d for d in details if d is not None]))
+    _check_partition(seen)
+    return time.perf_counter() - start
+
+
+def _first_difference(details: list[tuple[int, tuple[Field, ...]]]) -> str:
+    longest = max(len(f) for _, f in details)
+    for i in range(longest):
+        values = {rank: (f[i] if i < len(f) else ("(nothing)", "(nothing)")) for rank, f in details}
+        if len(set(values.values())) > 1:
+            name = next(v[0] for v in values.values() if v[0] != "(nothing)")
+            shown = "; ".join(f"rank {rank}: {_short(v[1] if v[0] == name else f'{v[0]} = {v[1]}')}"
+                              for rank, v in sorted(values.items()))
+            return (f"FSDP: ranks disagree on {name} (checked before the first collective): {shown}. "
+                    "Build the model and FSDP with the same arguments on every rank")
+    return "FSDP: ranks disagree (descriptions differ but no field does)"
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_partition(seen: list[tuple[int, str, list[int], list[int]]]) -> None:
+    """Every rank's shard (replicate) group must be the one each of its members reports."""
+    by_rank = {rank: (shard, replicate) for rank, _, shard, replicate in seen}
+    for rank, (shard, replicate) in sorted(by_rank.items()):
+        for which, ranks, slot in (("shard", shard, 0), ("replicate", replicate, 1)):
+            for member in ranks:
+                theirs = by_rank.get(member)
+                if theirs is not None and theirs[slot] != ranks:
+                    raise RankMismatchError(
+                        f"FSDP: process_group: rank {rank}'s {which} group is {ranks} but rank {member}'s is "
+                        f"{theirs[slot]}; every rank must pass groups from one layout (e.g. one DeviceMesh)")
