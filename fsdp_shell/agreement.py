@@ -20,7 +20,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from fsdp_shell.tree import Tree
 
-__all__ = ["RankMismatchError", "check_agreement", "describe"]
+__all__ = ["RankMismatchError", "agreement_group", "check_agreement", "describe"]
 
 Field = tuple[str, str]
 
@@ -58,7 +58,7 @@ def describe(tree: Tree) -> tuple[Field, ...]:
     return tuple(fields)
 
 
-def _group(tree: Tree) -> dist.ProcessGroup | None:
+def agreement_group(tree: Tree) -> dist.ProcessGroup | None:
     """The default group when the FSDP groups cover the world, else the shard group."""
     covered = tree.groups.shard_size * tree.groups.replicate_size
     return None if covered == dist.get_world_size() else tree.groups.shard
@@ -72,7 +72,7 @@ def check_agreement(tree: Tree) -> float:
     digest = hashlib.sha256(repr(fields).encode()).hexdigest()
     shard = dist.get_process_group_ranks(tree.groups.shard)
     replicate = dist.get_process_group_ranks(tree.groups.replicate) if tree.groups.replicate is not None else []
-    group = _group(tree)
+    group = agreement_group(tree)
     size = dist.get_world_size(group)
     everyone: list[tuple[int, str, list[int], list[int]] | None] = [None] * size
     dist.all_gather_object(everyone, (dist.get_rank(), digest, shard, replicate), group=group)

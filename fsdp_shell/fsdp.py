@@ -38,7 +38,7 @@ from fsdp_core import (
     UnshardEvent,
     step_flags,
 )
-from fsdp_shell.agreement import check_agreement
+from fsdp_shell.agreement import RankMismatchError, agreement_group, check_agreement
 from fsdp_shell.collective_log import CollectiveRecord, Phase
 from fsdp_shell.comm_hooks import builtin_kind
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
@@ -46,6 +46,7 @@ from fsdp_shell.interpreter import PlanRun
 from fsdp_shell.optim_state import optim_state_dict as optim_state_dict_of
 from fsdp_shell.optim_state import optim_state_dict_to_load
 from fsdp_shell.runtime import CudaRuntime
+from fsdp_shell.sequencer import Event, EventKind, Sequencer
 from fsdp_shell.state_dict import (
     StateDictSettings,
     StateDictType,
@@ -154,6 +155,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._handle is not None and not _tree.use_orig_params:
             self.register_parameter("_flat_param", self._handle.flat_param)
         if self._is_root:
+            _tree.sequencer = _sequencer(_tree, self._index)
             _tree.unshard = UnshardRunner(
                 [u._handle for u in _tree.units], self._index,
                 reshard_after_forward=_tree.strategy in RESHARD_AFTER_FORWARD_STRATEGIES,
@@ -498,12 +500,16 @@ class FullyShardedDataParallel(nn.Module):
             if low is not None:
                 args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
         if h is not None:
+            if not self._is_root:
+                self._sequence(Event(EventKind.PRE_FORWARD, self._index), grad_on)
             if grad_on:
                 tree.gathers().run(UnshardEvent.PRE_FORWARD, self._index)
             h.finish_unshard()
             h.use_unsharded_views()
         try:
             out = self.module(*args, **kwargs)
+            if self._is_root:
+                self._sequence(Event(EventKind.END_FORWARD, -1), grad_on)
         finally:
             if h is not None:
                 h.restore_params()
@@ -552,20 +558,71 @@ class FullyShardedDataParallel(nn.Module):
             tree.backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._tree_final_callback)
         if not self._pre_backward_ran and self._handle is not None:
-            self._pre_backward_ran = True
-            tree.ctx.log.phase = Phase.PRE_BACKWARD
-            self._handle.begin_backward()
-            tree.gathers().run(UnshardEvent.PRE_BACKWARD, self._index)
-            self._handle.finish_unshard()
-            if tree.use_orig_params:
-                self._handle.use_unsharded_views()
+            self._sequence(Event(EventKind.PRE_BACKWARD, self._index), True)
+            self._unshard_for_backward()
         return grad
+
+    def _unshard_for_backward(self) -> None:
+        tree, h = self._tree, self._handle
+        assert h is not None
+        self._pre_backward_ran = True
+        tree.ctx.log.phase = Phase.PRE_BACKWARD
+        h.begin_backward()
+        tree.gathers().run(UnshardEvent.PRE_BACKWARD, self._index)
+        h.finish_unshard()
+        if tree.use_orig_params:
+            h.use_unsharded_views()
+
+    def _sequence(self, event: Event, grad_on: bool) -> None:
+        """Agree with the other ranks that ``event`` is next here, running first (virtually)
+        every earlier event another rank is at (``fsdp_shell.sequencer``)."""
+        tree = self._tree
+        if tree.sequencer is None:
+            return
+        while (decided := tree.sequencer.agree(event)) != event:
+            tree.units[decided.unit]._run_virtually(decided.kind, grad_on)
+
+    def _run_virtually(self, kind: EventKind, grad_on: bool) -> None:
+        """This unit's event, which other ranks run and this one would skip: the same
+        collectives, with nothing computed (a zero gradient for the reduction)."""
+        tree, h = self._tree, self._handle
+        assert h is not None
+        if kind is EventKind.PRE_FORWARD:
+            if grad_on:
+                tree.gathers().run(UnshardEvent.PRE_FORWARD, self._index)
+            h.finish_unshard()
+            if grad_on:
+                tree.gathers().run(UnshardEvent.POST_FORWARD, self._index)
+            else:
+                h.free_unsharded()
+        elif kind is EventKind.PRE_BACKWARD:
+            if not self._pre_backward_ran:
+                self._unshard_for_backward()
+        elif kind is EventKind.POST_BACKWARD:
+            if not self._pre_backward_ran:
+                self._unshard_for_backward()
+            h.restore_params()
+            tree.reduced_virtually.add(self._index)
+            self._reduce(torch.zeros(h.layout.total_numel, dtype=h.flat_param.dtype, device=h.flat_param.device))
+        else:
+            raise AssertionError(f"the ends of forward and backward are never run virtually: {kind}")
 
     def _post_backward(self, param: torch.Tensor) -> None:
         h, tree = self._handle, self._tree
         assert h is not None
+        if self._index in tree.reduced_virtually:
+            raise RankMismatchError(
+                f"FSDP: unit {self._index}'s gradient arrived on rank {dist.get_rank()} after the ranks had "
+                "reduced it with a zero gradient here: the ranks' backward orders differ, not only which "
+                "units they use")
+        self._sequence(Event(EventKind.POST_BACKWARD, self._index), True)
         h.restore_params()
-        grad = h.take_grad()
+        self._reduce(h.take_grad())
+
+    def _reduce(self, grad: torch.Tensor) -> None:
+        """Run this unit's post-backward plan on ``grad`` (its unsharded gradient)."""
+        h, tree = self._handle, self._tree
+        assert h is not None
         sync = tree.sync_gradients
         flags = step_flags(h.carried.roles, sync_gradients=sync,
                            requires_all_reduce=tree.requires_all_reduce or not sync)
@@ -578,6 +635,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _tree_final_callback(self) -> None:
         tree = self._tree
+        self._sequence(Event(EventKind.END_BACKWARD, -1), True)
+        tree.reduced_virtually.clear()
         tree.ctx.log.phase = Phase.END_OF_BACKWARD
         runs, tree.runs = tree.runs, []
         try:
@@ -598,6 +657,20 @@ class FullyShardedDataParallel(nn.Module):
             tree.backward_started = False
             tree.ctx.log.phase = Phase.OTHER
         tree.gathers().end_backward()
+
+
+def _sequencer(tree: Tree, root: int) -> Sequencer | None:
+    """The event sequencer over the agreement group, on a gloo group of the world when the
+    model's groups are NCCL (its tiny all-gathers are host-side); none with NCCL on a
+    subgroup of the world, or when turned off."""
+    if not tree.sequence_events:
+        return None
+    group = agreement_group(tree)
+    if tree.groups.backend == "nccl":
+        if group is not None:
+            return None
+        group = dist.new_group(backend="gloo")
+    return Sequencer(group, root)
 
 
 def _tensors_in(out: object) -> Iterator[torch.Tensor]:

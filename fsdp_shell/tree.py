@@ -40,6 +40,7 @@ from fsdp_shell.compat import (
 from fsdp_shell.groups import ProcessGroups, duplicate_group, resolve_groups
 from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun
 from fsdp_shell.runtime import CpuRuntime, CudaRuntime, Runtime
+from fsdp_shell.sequencer import Sequencer
 from fsdp_shell.state_dict import StateDictSettings, StateEntry, state_entries
 from fsdp_shell.unshard import UnshardRunner
 
@@ -126,6 +127,11 @@ class Tree:
     """During construction: which unit flattened each parameter (by ``id``), to refuse a
     parameter shared across units."""
     _mesh: DeviceMesh | None = None
+    sequence_events: bool = True
+    """Whether the ranks agree on every FSDP event (``fsdp_shell.sequencer``)."""
+    sequencer: Sequencer | None = None
+    reduced_virtually: set[int] = field(default_factory=set)
+    """Units this rank reduced with a zero gradient in the current backward."""
     agreement_seconds: float | None = None
     """How long the ranks' agreement check took at the first forward (None: not yet run)."""
 

@@ -1,0 +1,91 @@
+"""Ranks run the same FSDP events in the same order, even where their models take different paths.
+
+Every collective FSDP issues belongs to an event of one unit: its pre-forward (the all-gather and
+what the schedule prefetches), pre-backward (the all-gather), post-backward (the reduction), and
+the ends of forward and backward. If one rank's forward skips a wrapped unit (a branch taken on
+some ranks only), or a unit's gradient never arrives on one rank (its output unused there), the
+ranks would issue different collectives and hang. So before each event the ranks agree on it
+with one tiny all-gather: when they propose the same event, it runs; when they differ, every
+rank runs the earliest proposed event (by the canonical order below) — for real if it is its
+own, otherwise *virtually*: a pre-forward or pre-backward gathers and (forward) reshards at once,
+a post-backward reduces a zero gradient. So every rank issues the same collectives in the same
+order, and the unused unit contributes zero on the ranks that did not use it, as it does in a
+single-process reference.
+
+Canonical order: forward in construction order (children before their parent, the order their
+modules are registered in), then the end of forward; backward: the root's pre-backward first,
+then units in reverse forward order, each pre-backward before its post-backward, the root's
+post-backward last, then the end of backward. A real gradient that arrives after its unit was
+reduced with zeros (the ranks' orders really differed) is a ``RankMismatchError``, never a
+silently dropped gradient.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_shell.collectives import all_gather_flat
+
+__all__ = ["Event", "EventKind", "Sequencer"]
+
+
+class EventKind(enum.IntEnum):
+    PRE_FORWARD = 0
+    END_FORWARD = 1
+    PRE_BACKWARD = 2
+    POST_BACKWARD = 3
+    END_BACKWARD = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: EventKind
+    unit: int
+    """The unit's construction index (the root's is the largest); -1 for the ends."""
+
+
+class Sequencer:
+    """Agrees on each event with the other ranks of ``group`` (a CPU group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, root: int) -> None:
+        world = dist.group.WORLD
+        assert isinstance(world, dist.ProcessGroup)
+        self._group: dist.ProcessGroup = world if group is None else group
+        self._root = root
+        self._size = dist.get_world_size(group)
+        self.calls = 0
+        self.seconds = 0.0
+        """How many agreements ran and how long they took in all."""
+
+    def _key(self, e: Event) -> tuple[float, ...]:
+        if e.kind is EventKind.PRE_FORWARD:
+            return (0.0, float(e.unit))
+        if e.kind is EventKind.END_FORWARD:
+            return (0.0, math.inf)
+        if e.kind is EventKind.END_BACKWARD:
+            return (1.0, math.inf)
+        if e.unit == self._root:
+            return (1.0, -math.inf if e.kind is EventKind.PRE_BACKWARD else math.inf - 1)
+        return (1.0, float(-e.unit), float(e.kind is EventKind.POST_BACKWARD))
+
+    def agree(self, mine: Event) -> Event:
+        """The event every rank runs next: ``mine`` if every rank proposes it, else the earliest
+        proposed (a collective)."""
+        if self._size == 1:
+            return mine
+        start = time.perf_counter()
+        local = torch.tensor([int(mine.kind), mine.unit], dtype=torch.int64)
+        gathered = torch.empty(2 * self._size, dtype=torch.int64)
+        all_gather_flat(gathered, local, self._group)
+        proposals = {Event(EventKind(int(k)), int(u)) for k, u in gathered.view(-1, 2).tolist()}
+        self.calls += 1
+        self.seconds += time.perf_counter() - start
+        if len(proposals) == 1:
+            return mine
+        return min(proposals, key=self._key)
