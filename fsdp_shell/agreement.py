@@ -15,12 +15,15 @@ import hashlib
 import time
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
+
+from fsdp_shell.collectives import all_gather_flat
 
 if TYPE_CHECKING:
     from fsdp_shell.tree import Tree
 
-__all__ = ["RankMismatchError", "agreement_group", "check_agreement", "describe"]
+__all__ = ["RankMismatchError", "check_agreement", "check_same_events", "describe"]
 
 Field = tuple[str, str]
 
@@ -43,6 +46,7 @@ def describe(tree: Tree) -> tuple[Field, ...]:
         ("hybrid_all_reduce", tree.hybrid_all_reduce.value),
         ("backward_prefetch", str(tree.backward_prefetch)),
         ("forward_prefetch", str(tree.forward_prefetch)),
+        ("ranks_may_diverge", str(tree.sequence_events)),
         ("number of FSDP units", str(len(tree.units))),
     ]
     for index, unit in enumerate(tree.units):
@@ -58,21 +62,16 @@ def describe(tree: Tree) -> tuple[Field, ...]:
     return tuple(fields)
 
 
-def agreement_group(tree: Tree) -> dist.ProcessGroup | None:
-    """The default group when the FSDP groups cover the world, else the shard group."""
-    covered = tree.groups.shard_size * tree.groups.replicate_size
-    return None if covered == dist.get_world_size() else tree.groups.shard
-
-
 def check_agreement(tree: Tree) -> float:
     """Compare this rank's description with every other rank's (a collective); raise
-    ``RankMismatchError`` on every rank if they differ. Returns the seconds it took."""
+    ``RankMismatchError`` on every rank if they differ. Returns the seconds the comparison took
+    (not counting the control group's creation the first time)."""
+    group = tree.control()
     start = time.perf_counter()
     fields = describe(tree)
     digest = hashlib.sha256(repr(fields).encode()).hexdigest()
     shard = dist.get_process_group_ranks(tree.groups.shard)
     replicate = dist.get_process_group_ranks(tree.groups.replicate) if tree.groups.replicate is not None else []
-    group = agreement_group(tree)
     size = dist.get_world_size(group)
     everyone: list[tuple[int, str, list[int], list[int]] | None] = [None] * size
     dist.all_gather_object(everyone, (dist.get_rank(), digest, shard, replicate), group=group)
@@ -113,3 +112,33 @@ def _check_partition(seen: list[tuple[int, str, list[int], list[int]]]) -> None:
                     raise RankMismatchError(
                         f"FSDP: process_group: rank {rank}'s {which} group is {ranks} but rank {member}'s is "
                         f"{theirs[slot]}; every rank must pass groups from one layout (e.g. one DeviceMesh)")
+
+
+def check_same_events(tree: Tree, events: list[tuple[int, int]]) -> None:
+    """At the end of a backward: every rank ran the same FSDP events (pre-forward of each unit,
+    pre- and post-backward, the ends), compared by digest with one tiny all-gather. If not, the
+    ranks' collectives may have been paired wrongly, so every rank raises (the step's gradients
+    must not reach the optimizer)."""
+    group = tree.control()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    digest = int.from_bytes(hashlib.sha256(repr(events).encode()).digest()[:7], "little")
+    local = torch.tensor([digest], dtype=torch.int64)
+    gathered = torch.empty(size, dtype=torch.int64)
+    all_gather_flat(gathered, local, group)
+    if len(set(gathered.tolist())) == 1:
+        return
+    details: list[tuple[int, list[tuple[int, int]]] | None] = [None] * size
+    dist.all_gather_object(details, (dist.get_rank(), events), group=group)
+    shown = "; ".join(f"rank {rank}: units {_units(e)}" for rank, e in sorted(d for d in details if d is not None))
+    raise RankMismatchError(
+        "FSDP: ranks ran different FSDP units in this iteration (their collectives may have been paired "
+        f"wrongly, so this backward's gradients must not be used): {shown}. Pass ranks_may_diverge=True "
+        "when ranks' models can skip a wrapped module or leave its output unused")
+
+
+def _units(events: list[tuple[int, int]]) -> str:
+    forward = [u for k, u in events if k == 0]
+    backward = [u for k, u in events if k == 3]
+    return f"forward {forward}, reduced {backward}"

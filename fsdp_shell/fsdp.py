@@ -38,7 +38,7 @@ from fsdp_core import (
     UnshardEvent,
     step_flags,
 )
-from fsdp_shell.agreement import RankMismatchError, agreement_group, check_agreement
+from fsdp_shell.agreement import RankMismatchError, check_agreement, check_same_events
 from fsdp_shell.collective_log import CollectiveRecord, Phase
 from fsdp_shell.comm_hooks import builtin_kind
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
@@ -101,6 +101,13 @@ class FullyShardedDataParallel(nn.Module):
       all-reduce on its own stream, overlapping the next reduce-scatters and all-gathers (PyTorch
       PR 106080); ``"sync"`` runs it after each reduce-scatter on the post-backward stream, as
       FSDP1 did before, for comparison. Hybrid strategies only.
+    - ``ranks_may_diverge`` (keyword only; ours): True when ranks' models may take different
+      paths (a wrapped module skipped or its output unused on some ranks only): before every
+      FSDP event the ranks agree on it (one tiny collective each) and a rank runs the events it
+      would skip with nothing to contribute (a zero gradient), so nothing hangs and the result
+      is the reference's. False (default): no per-event cost; at the end of each backward the
+      ranks compare the events they ran (one tiny collective) and raise ``RankMismatchError``
+      if they differ.
     - ``division_policy`` (keyword only; ours): where the average's division goes.
       ``"pre_post"`` (default, FSDP1): divide by a power of two near sqrt(N) before the
       reduction and by the rest after. ``"in_collective"`` (FSDP2): let the collective average
@@ -127,6 +134,7 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         division_policy: object = DivisionPolicy.PRE_POST,
         hybrid_all_reduce: object = HybridAllReduce.ASYNC,
+        ranks_may_diverge: bool = False,
         _tree: Tree | None = None,
     ) -> None:
         super().__init__()
@@ -141,6 +149,7 @@ class FullyShardedDataParallel(nn.Module):
                 mixed_precision=mixed_precision, use_orig_params=use_orig_params,
                 backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                 division_policy=division_policy, hybrid_all_reduce=hybrid_all_reduce,
+                ranks_may_diverge=ranks_may_diverge,
             )
             _tree = make_tree(module, options, process_group=process_group, device_mesh=device_mesh,
                               device_id=device_id)
@@ -531,6 +540,8 @@ class FullyShardedDataParallel(nn.Module):
         are in FSDP1; those handed to the optimizer before stay."""
         tree = self._tree
         tree.runs = []
+        tree.events = []
+        tree.reduced_virtually.clear()
         try:
             tree.ctx.runtime.drain()
         except RuntimeError:
@@ -574,10 +585,17 @@ class FullyShardedDataParallel(nn.Module):
             h.use_unsharded_views()
 
     def _sequence(self, event: Event, grad_on: bool) -> None:
-        """Agree with the other ranks that ``event`` is next here, running first (virtually)
-        every earlier event another rank is at (``fsdp_shell.sequencer``)."""
+        """With ``ranks_may_diverge``: agree with the other ranks that ``event`` is next here,
+        running first (virtually) every earlier event another rank is at
+        (``fsdp_shell.sequencer``). Without: record it, and at the end of backward check that
+        every rank ran the same events."""
         tree = self._tree
         if tree.sequencer is None:
+            if grad_on:
+                tree.events.append((int(event.kind), event.unit))
+            if event.kind is EventKind.END_BACKWARD:
+                events, tree.events = tree.events, []
+                check_same_events(tree, events)
             return
         while (decided := tree.sequencer.agree(event)) != event:
             tree.units[decided.unit]._run_virtually(decided.kind, grad_on)
@@ -660,17 +678,10 @@ class FullyShardedDataParallel(nn.Module):
 
 
 def _sequencer(tree: Tree, root: int) -> Sequencer | None:
-    """The event sequencer over the agreement group, on a gloo group of the world when the
-    model's groups are NCCL (its tiny all-gathers are host-side); none with NCCL on a
-    subgroup of the world, or when turned off."""
+    """The event sequencer over the tree's control group (none when turned off)."""
     if not tree.sequence_events:
         return None
-    group = agreement_group(tree)
-    if tree.groups.backend == "nccl":
-        if group is not None:
-            return None
-        group = dist.new_group(backend="gloo")
-    return Sequencer(group, root)
+    return Sequencer(tree.control(), root)
 
 
 def _tensors_in(out: object) -> Iterator[torch.Tensor]:

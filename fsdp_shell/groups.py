@@ -45,16 +45,17 @@ class ProcessGroups:
         return BackendCaps.for_backend(name) if name in ("nccl", "gloo") else BackendCaps()
 
 
-def duplicate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new group of the same ranks as ``group``, so that two threads can each issue
-    collectives in their own order (every rank of the world must call this: ``new_group`` is
-    collective, so each rank creates every rank's duplicate, in one agreed order)."""
+def duplicate_group(group: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:
+    """A new group of the same ranks as ``group`` (of ``backend``, default the default one), so
+    that two threads can each issue collectives in their own order (every rank of the world must
+    call this: ``new_group`` is collective, so each rank creates every rank's duplicate, in one
+    agreed order)."""
     mine = dist.get_process_group_ranks(group)
     everyone: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     duplicate: dist.ProcessGroup | None = None
     for ranks in sorted({tuple(r) for r in everyone if r is not None}):
-        created = dist.new_group(list(ranks))
+        created = dist.new_group(list(ranks), backend=backend)
         if list(ranks) == mine:
             duplicate = created
     assert isinstance(duplicate, dist.ProcessGroup)
@@ -129,7 +130,7 @@ def _check_tiling(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> Non
     me = dist.get_rank()
     s, r = dist.get_process_group_ranks(shard), dist.get_process_group_ranks(replicate)
     world = dist.get_world_size()
-    if shard is replicate or set(s) & set(r) != {me}:
+    if (shard is replicate and len(s) > 1) or set(s) & set(r) != {me}:
         raise ValueError(f"process_group: the shard group {s} and the replicate group {r} must share exactly "
                          f"this rank ({me}); pass (shard_group, replicate_group) from a 2-D layout, e.g. "
                          "init_device_mesh(..., (replicas, shard_size)).get_group(1), .get_group(0)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -65,12 +66,13 @@ class Options:
     division_policy: DivisionPolicy
     hybrid_all_reduce: HybridAllReduce
     wrap: WrapPolicy | None
+    ranks_may_diverge: bool = False
 
 
 def parse_options(
     *, sharding_strategy: object, cpu_offload: object, auto_wrap_policy: object, mixed_precision: object,
     use_orig_params: object, backward_prefetch: object, forward_prefetch: object, division_policy: object,
-    hybrid_all_reduce: object,
+    hybrid_all_reduce: object, ranks_may_diverge: object = False,
 ) -> Options:
     """Every argument checked on its own and against the others; ``ValueError``/``TypeError``
     naming the argument."""
@@ -83,11 +85,13 @@ def parse_options(
         raise TypeError(f"use_orig_params: expected a bool, got {use_orig_params!r}")
     if not isinstance(forward_prefetch, bool):
         raise TypeError(f"forward_prefetch: expected a bool, got {forward_prefetch!r}")
+    if not isinstance(ranks_may_diverge, bool):
+        raise TypeError(f"ranks_may_diverge: expected a bool, got {ranks_may_diverge!r}")
     return Options(
         strategy=strategy, mixed_precision=to_mixed_precision(mixed_precision), offload=to_cpu_offload(cpu_offload),
         use_orig_params=use_orig_params, backward_prefetch=to_backward_prefetch(backward_prefetch),
         forward_prefetch=forward_prefetch, division_policy=to_division_policy(division_policy),
-        hybrid_all_reduce=placement, wrap=wrap_policy(auto_wrap_policy),
+        hybrid_all_reduce=placement, wrap=wrap_policy(auto_wrap_policy), ranks_may_diverge=ranks_may_diverge,
     )
 
 
@@ -127,13 +131,31 @@ class Tree:
     """During construction: which unit flattened each parameter (by ``id``), to refuse a
     parameter shared across units."""
     _mesh: DeviceMesh | None = None
-    sequence_events: bool = True
-    """Whether the ranks agree on every FSDP event (``fsdp_shell.sequencer``)."""
+    sequence_events: bool = False
+    """Whether the ranks agree on every FSDP event (``ranks_may_diverge``, ``fsdp_shell.sequencer``)."""
+    events: list[tuple[int, int]] = field(default_factory=list)
+    """Without the sequencer: this iteration's FSDP events, compared across ranks at the end of
+    backward."""
     sequencer: Sequencer | None = None
     reduced_virtually: set[int] = field(default_factory=set)
     """Units this rank reduced with a zero gradient in the current backward."""
     agreement_seconds: float | None = None
     """How long the ranks' agreement check took at the first forward (None: not yet run)."""
+
+    _control: dist.ProcessGroup | None = None
+
+    def control(self) -> dist.ProcessGroup:
+        """A gloo group of the ranks that must agree (the world when the FSDP groups cover it,
+        else the shard group) that nothing else uses: the agreement check and the event
+        sequencer's host-side collectives can never interleave with a model collective issued
+        by another thread on the same group. Made once (a collective of the world)."""
+        if self._control is None:
+            covered = self.groups.shard_size * self.groups.replicate_size
+            world = dist.group.WORLD
+            assert isinstance(world, dist.ProcessGroup)
+            base = world if covered == dist.get_world_size() else self.groups.shard
+            self._control = duplicate_group(base, backend="gloo")
+        return self._control
 
     def mesh(self) -> DeviceMesh:
         """The shard group as a 1-D ``DeviceMesh`` (sharded state dicts), made once."""
@@ -178,7 +200,7 @@ def make_tree(module: nn.Module, options: Options, *, process_group: object, dev
                 use_orig_params=o.use_orig_params, groups=groups, device=device, ctx=ctx, param_names=names,
                 division=Division(policy=o.division_policy, backend=groups.caps),
                 hybrid_all_reduce=o.hybrid_all_reduce, backward_prefetch=o.backward_prefetch,
-                forward_prefetch=o.forward_prefetch, state_entries=entries)
+                forward_prefetch=o.forward_prefetch, state_entries=entries, sequence_events=o.ranks_may_diverge)
     for mod_name, mod in module.named_modules():
         for buf_name in mod._buffers:
             if mod._buffers[buf_name] is not None:

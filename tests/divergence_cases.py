@@ -74,7 +74,7 @@ def run_divergence(rank: int, world: int, case: Divergence) -> tuple[float, int]
     mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
             if case.strategy.is_hybrid else None)
     wrapped = FSDP(model, auto_wrap_policy={Block}, sharding_strategy=case.strategy,
-                   use_orig_params=case.use_orig_params, device_mesh=mesh)
+                   use_orig_params=case.use_orig_params, device_mesh=mesh, ranks_may_diverge=True)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
@@ -98,3 +98,17 @@ def run_divergence(rank: int, world: int, case: Divergence) -> tuple[float, int]
 
 def run_divergences(rank: int, world: int, cases: tuple[Divergence, ...]) -> dict[str, tuple[float, int]]:
     return {c.name: run_divergence(rank, world, c) for c in cases}
+
+
+def undetected_by_default(rank: int, world: int, _: None) -> str:
+    """Without ``ranks_may_diverge``: rank 0 leaves block 1's output unused, rank 1 block 2's.
+    Both reduce as many equal-sized units, so the collectives pair wrongly but complete; the
+    end-of-backward check must make every rank raise before the optimizer could step."""
+    torch.manual_seed(0)
+    wrapped = FSDP(Branchy(), auto_wrap_policy={Block})
+    x, y = _batch(0, rank)
+    try:
+        torch.autograd.backward(((wrapped(x, unused=frozenset({1 + rank})) - y) ** 2).mean())
+    except RuntimeError as exc:
+        return str(exc)
+    return ""

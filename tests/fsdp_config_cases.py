@@ -101,6 +101,7 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         "clip-norm-type-string": _error(clip(1.0, "two")),
         "device-id-without-cuda": _error(lambda: FSDP(lin(), device_id=7)),
         "no-parameters": _error(lambda: FSDP(nn.ReLU())),
+        "ranks-may-diverge-type": _error(lambda: FSDP(lin(), ranks_may_diverge="yes")),  # type: ignore[arg-type]  # bad input on purpose
         "wrap-policy-bare-class": _error(lambda: FSDP(lin(), auto_wrap_policy=nn.Linear)),
         "strategy": _error(lambda: FSDP(lin(), sharding_strategy="QUARTER_SHARD")),
         "hybrid-without-groups": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_core import ShardingStrategy
+from fsdp_shell.checkpoint import read_meta
 from fsdp_shell.demo.model import ModelConfig
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
 from fsdp_shell.launch import free_port, run_world
@@ -94,7 +94,7 @@ def test_save_and_resume_continue_exactly(tmp_path: Path, use_orig_params: bool)
                       strategy=ShardingStrategy.FULL_SHARD)
     whole = _run(base, 2)
     _run(dataclasses.replace(base, steps=3, save=str(tmp_path)), 2)
-    meta = json.loads((tmp_path / "meta.json").read_text())
+    meta = read_meta(tmp_path)
     assert meta["step"] == 3
     resumed = _run(dataclasses.replace(base, resume=str(tmp_path)), 2)
     assert resumed.start_step == 3

@@ -1,12 +1,14 @@
 """Ranks whose forwards skip different wrapped units, or leave a unit's output unused, neither
-hang nor train wrong: every rank runs the same FSDP events (``fsdp_shell.sequencer``), the unit a
-rank did not use contributing a zero gradient there, as in the single-process reference."""
+hang nor train wrong with ``ranks_may_diverge=True``: every rank runs the same FSDP events
+(``fsdp_shell.sequencer``), the unit a rank did not use contributing a zero gradient there, as in
+the single-process reference. Without it, paths whose collectives pair wrongly but complete are
+caught at the end of backward on every rank."""
 
 from __future__ import annotations
 
 from fsdp_core import ShardingStrategy
 from tests.dist_harness import run_world
-from tests.divergence_cases import Divergence, run_divergences
+from tests.divergence_cases import Divergence, run_divergences, undetected_by_default
 
 F = frozenset
 TOL = 1e-6
@@ -43,3 +45,9 @@ def test_divergent_paths_on_two_ranks_match_the_reference() -> None:
 
 def test_divergent_paths_with_hybrid_sharding_on_four_ranks_match_the_reference() -> None:
     _check(FOUR_RANKS, 4)
+
+
+def test_without_ranks_may_diverge_paths_that_pair_wrongly_raise_on_every_rank() -> None:
+    messages = run_world(2, undetected_by_default, None, timeout=120)
+    assert all("ranks ran different FSDP units" in m and "ranks_may_diverge=True" in m for m in messages), messages
+    assert messages[0] == messages[1]

@@ -22,6 +22,7 @@ EXPECTED = {
     "clip-norm-type-string": ("TypeError", "norm_type"),
     "device-id-without-cuda": ("ValueError", "device_id"),
     "no-parameters": ("ValueError", "no parameters"),
+    "ranks-may-diverge-type": ("TypeError", "ranks_may_diverge"),
     "wrap-policy-bare-class": ("TypeError", "auto_wrap_policy"),
     "strategy": ("ValueError", "sharding_strategy"),
     "hybrid-without-groups": ("ValueError", "process_group"),
