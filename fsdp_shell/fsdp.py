@@ -357,8 +357,10 @@ class FullyShardedDataParallel(nn.Module):
                    keep_vars: bool = False) -> Any:
         """FSDP1's default: the full state dict under the unwrapped module's keys; inside
         ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``, DTensor shards for
-        ``torch.distributed.checkpoint``. A collective: every rank calls it."""
-        self._require_root("state_dict")
+        ``torch.distributed.checkpoint``. A collective: every rank calls it. (A nested unit,
+        reached by ``nn.Module``'s recursion from below the root, gives ``nn.Module``'s own.)"""
+        if not self._is_root:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if args:
             raise TypeError("state_dict: pass destination, prefix and keep_vars by keyword")
         tree = self._tree
@@ -376,7 +378,9 @@ class FullyShardedDataParallel(nn.Module):
                         assign: bool = False) -> _IncompatibleKeys:
         """The inverse of ``state_dict()``: full tensors or DTensors under the unwrapped
         module's keys, copied into this rank's shards."""
-        self._require_root("load_state_dict")
+        if not self._is_root:
+            own: _IncompatibleKeys = super().load_state_dict(state_dict, strict=strict, assign=assign)
+            return own
         if assign:
             raise ValueError("load_state_dict: assign=True would replace the sharded parameters; use assign=False")
         return load_state_dict(self._tree, state_dict, strict=_strict(strict))
