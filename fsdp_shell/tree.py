@@ -148,13 +148,14 @@ class Tree:
         """A gloo group of the ranks that must agree (the world when the FSDP groups cover it,
         else the shard group) that nothing else uses: the agreement check and the event
         sequencer's host-side collectives can never interleave with a model collective issued
-        by another thread on the same group. Made once (a collective of the world)."""
+        by another thread on the same group. Made once (a collective of those ranks only)."""
         if self._control is None:
             covered = self.groups.shard_size * self.groups.replicate_size
-            world = dist.group.WORLD
-            assert isinstance(world, dist.ProcessGroup)
-            base = world if covered == dist.get_world_size() else self.groups.shard
-            self._control = duplicate_group(base, backend="gloo")
+            if covered == dist.get_world_size():
+                self._control = dist.new_group(backend="gloo")
+            else:
+                ranks = dist.get_process_group_ranks(self.groups.shard)
+                self._control = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return self._control
 
     def mesh(self) -> DeviceMesh:

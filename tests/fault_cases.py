@@ -124,3 +124,17 @@ def recovery(rank: int, world: int, use_orig_params: bool) -> float:
         ref_opt.zero_grad()
     got, want = wrapped.state_dict(), ref.state_dict()
     return max(float((got[k] - v).abs().max()) for k, v in want.items())
+
+
+def on_a_subgroup(rank: int, world: int, _: None) -> str:
+    """FSDP on ranks 0-1 of a world of 4 while ranks 2-3 do nothing FSDP: its agreement check and
+    end-of-backward check run on a group of those ranks only (created by them alone)."""
+    first, second = dist.new_group([0, 1]), dist.new_group([2, 3])
+    if rank >= 2:
+        return "idle"
+    model = FSDP(_model(), process_group=first, auto_wrap_policy={Block})
+    for step in range(2):
+        x, y = _batch(step, rank)
+        ((model(x) - y) ** 2).mean().backward()
+    assert second is not None
+    return "trained"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import run_world
-from tests.fault_cases import mismatches, mixed_layouts, recovery
+from tests.fault_cases import mismatches, mixed_layouts, on_a_subgroup, recovery
 
 
 def test_ranks_that_disagree_raise_the_same_error_before_any_collective() -> None:
@@ -33,3 +33,7 @@ def test_hybrid_groups_from_different_layouts_are_refused_on_every_rank() -> Non
 def test_a_step_that_fails_in_the_loss_or_a_hook_leaves_the_wrapper_usable(use_orig_params: bool) -> None:
     for diff in run_world(2, recovery, use_orig_params, timeout=120):
         assert diff <= 1e-6
+
+
+def test_fsdp_on_a_subgroup_needs_nothing_from_the_other_ranks() -> None:
+    assert run_world(4, on_a_subgroup, None, timeout=120) == ["trained", "trained", "idle", "idle"]
