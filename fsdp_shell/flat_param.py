@@ -223,12 +223,10 @@ class FlatParamHandle:
         self._log = log
         self._pieces = _Pieces.of(self.layout)
 
-        full = self._flatten([t.detach() for t in tensors])
-        start = self.sharding.rank * self.shard_numel if self.is_sharded else 0
-        local = full[start : start + self.shard_numel].clone()
-        del full
+        local = self.shard_of({p.fqn: t.detach() for p, t in zip(params, tensors)}, self.orig_dtype).clone()
         self.local: torch.Tensor = local.cpu() if self.offload else local
         self.flat_param = nn.Parameter(self.local, requires_grad=any(t.requires_grad for t in tensors))
+        self._has_frozen = not all(t.requires_grad for t in tensors)
         self._gathers_in_place = self.is_sharded or self.compute_dtype != self.orig_dtype or self.offload
         self._gathered = torch.empty(self.padded_numel if self._gathers_in_place else 0,
                                      dtype=self.compute_dtype, device=device)
@@ -258,11 +256,27 @@ class FlatParamHandle:
 
     # -- layout ------------------------------------------------------------------------------
 
-    def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        full = torch.zeros(self.padded_numel, dtype=self.orig_dtype, device=self.device)
-        for (start, end), t in zip((self.layout.param_range(i) for i in range(len(tensors))), tensors):
-            full[start:end].copy_(t.reshape(-1))
-        return full
+    def shard_of(self, values: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's part (a view) of the padded flat tensor laid out from full per-parameter
+        ``values`` by name: parameters, or anything shaped like them (optimizer state). Zeros
+        for names not given and for padding."""
+        full = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+        for index, p in enumerate(self.params):
+            value = values.get(p.fqn)
+            if value is not None:
+                start, end = self.layout.param_range(index)
+                full[start:end].copy_(value.reshape(-1))
+        start = self.sharding.rank * self.shard_numel if self.is_sharded else 0
+        return full[start : start + self.shard_numel]
+
+    def gather_full(self, local: torch.Tensor) -> torch.Tensor:
+        """The padded flat tensor whose shards are every rank's ``local`` (a collective over the
+        shard group when sharded; ``local`` itself otherwise)."""
+        if not self.is_sharded:
+            return local
+        out = torch.empty(self.padded_numel, dtype=local.dtype, device=local.device)
+        all_gather_flat(out, local, self.shard_group)
+        return out
 
     def shard_view(self, index: int) -> ShardView | None:
         """Where this rank's shard holds part of original parameter ``index`` (None: nowhere)."""
@@ -437,21 +451,22 @@ class FlatParamHandle:
 
     def optimizer_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps on (for clipping): the flat parameter's, or with
-        ``use_orig_params`` every original parameter's (frozen ones have none)."""
+        ``use_orig_params`` every original parameter's (frozen ones have none) — as the one flat
+        sharded gradient they are views of when no parameter of the unit is frozen (one norm,
+        not one per parameter; the padding between them is zero)."""
         if not self.use_orig_params:
             return [] if self.flat_param.grad is None else [self.flat_param.grad]
-        return [p.grad for p in self.orig_params if p.grad is not None]
+        views = [p.grad for p in self.orig_params if p.grad is not None]
+        flat = self.carried.tensors.get(InputRole.SHARDED_GRAD)
+        if views and flat is not None and not self._has_frozen:
+            return [flat]
+        return views
 
     # -- full values --------------------------------------------------------------------------
 
     def full_flat(self) -> torch.Tensor:
         """The whole flat parameter in its original dtype, on every rank (a collective)."""
-        src = self.local.to(device=self.device, dtype=self.orig_dtype)
-        if not self.is_sharded:
-            return src
-        out = torch.empty(self.padded_numel, dtype=self.orig_dtype, device=self.device)
-        all_gather_flat(out, src, self.shard_group)
-        return out
+        return self.gather_full(self.local.to(device=self.device, dtype=self.orig_dtype))
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Each original parameter's full value by its unwrapped name."""
@@ -462,12 +477,10 @@ class FlatParamHandle:
             out[p.fqn] = flat[start:end].view(self.layout.params[index].shape).clone()
         return out
 
-    def load_values(self, values: dict[str, torch.Tensor]) -> None:
+    def load_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the local shard from full values of every original parameter."""
-        full = self._flatten([values[p.fqn].to(self.orig_dtype) for p in self.params])
-        start = self.sharding.rank * self.shard_numel if self.is_sharded else 0
         with torch.no_grad():
-            self.local.copy_(full[start : start + self.shard_numel].to(self.local.device))
+            self.local.copy_(self.shard_of(values, self.orig_dtype))
 
 
 def _keep_alive(work: dist.Work, *tensors: torch.Tensor) -> Callable[[], None]:

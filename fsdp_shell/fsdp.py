@@ -550,14 +550,23 @@ class FullyShardedDataParallel(nn.Module):
             tree.ctx.runtime.drain()
         except RuntimeError:
             pass
+        self._settle_units(keep_unsharded=False, drop_partial=True)
+
+    def _settle_units(self, *, keep_unsharded: bool, drop_partial: bool) -> None:
+        """After a backward (or in place of one that did not finish): original parameters back,
+        unsharded storage freed unless kept, the optimizer's gradient shown in ``.grad``; with
+        ``drop_partial``, the gradient autograd was accumulating for a unit whose post-backward
+        never ran is dropped first."""
+        tree = self._tree
         for unit in tree.units:
             h = unit._handle
             if h is not None:
                 h.restore_params()
-                if unit._pre_backward_ran:
+                if drop_partial and unit._pre_backward_ran:
                     h.flat_param.grad = None
-                    h.expose()
-                h.free_unsharded()
+                if not keep_unsharded:
+                    h.free_unsharded()
+                h.expose()
             unit._pre_backward_ran = False
         tree.backward_started = False
         tree.ctx.log.phase = Phase.OTHER
@@ -667,17 +676,7 @@ class FullyShardedDataParallel(nn.Module):
             tree.ctx.runtime.drain()
         finally:
             keep = not tree.sync_gradients and tree.strategy not in RESHARD_AFTER_FORWARD_STRATEGIES
-            for unit in tree.units:
-                unit._pre_backward_ran = False
-                h = unit._handle
-                if h is None:
-                    continue
-                h.restore_params()
-                if not keep:
-                    h.free_unsharded()
-                h.expose()
-            tree.backward_started = False
-            tree.ctx.log.phase = Phase.OTHER
+            self._settle_units(keep_unsharded=keep, drop_partial=False)
         tree.gathers().end_backward()
 
 

@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from fsdp_shell.collectives import all_gather_flat
-from fsdp_shell.state_dict import StateDictSettings, StateDictType
+from fsdp_shell.state_dict import StateDictSettings, StateDictType, full_tensor
 
 if TYPE_CHECKING:
     from fsdp_shell.flat_param import FlatParamHandle
@@ -98,14 +97,6 @@ def _holds_none(slot: _Slot) -> bool:
     return slot.handle.use_orig_params and slot.handle.shard_view(slot.indices[0]) is None
 
 
-def _gathered(h: FlatParamHandle, local: torch.Tensor) -> torch.Tensor:
-    if not h.is_sharded:
-        return local
-    out = torch.empty(h.padded_numel, dtype=local.dtype, device=local.device)
-    all_gather_flat(out, local, h.shard_group)
-    return out
-
-
 def optim_state_dict(tree: Tree, optim: torch.optim.Optimizer, settings: StateDictSettings,
                      mesh: DeviceMesh, rank: int) -> dict[str, Any]:
     """The optimizer's state by original parameter name, full or (``SHARDED_STATE_DICT``) as
@@ -143,7 +134,7 @@ def optim_state_dict(tree: Tree, optim: torch.optim.Optimizer, settings: StateDi
         slots = per_unit[unit_id]
         h = slots[0].handle
         for key, dtype_name in sorted(unit_keys.get(index, {}).items()):
-            full = _gathered(h, _local_flat(slots, state, key, getattr(torch, dtype_name)))
+            full = h.gather_full(_local_flat(slots, state, key, getattr(torch, dtype_name)))
             for i, spec in enumerate(h.layout.params):
                 start, end = h.layout.param_range(i)
                 value = full[start:end].view(spec.shape).clone()
@@ -201,15 +192,14 @@ def _load_slot(slot: _Slot, saved: Mapping[str, Mapping[str, object]],
     """One optimizer parameter's state from the saved full values (``gathered``: the full
     values of DTensors gathered so far, each gathered once)."""
     h = slot.handle
-    names = [h.layout.params[i].name for i in range(len(h.layout.params))]
+    shapes = {spec.name: spec.shape for spec in h.layout.params}
     mine = slot.names
-    keys = sorted({k for n in names for k in saved.get(n, {})})
+    keys = sorted({k for n in shapes for k in saved.get(n, {})})
     out: dict[str, object] = {}
     for key in keys:
-        values = {n: saved.get(n, {}).get(key) for n in names}
+        values = {n: saved.get(n, {}).get(key) for n in shapes}
         shaped = [n for n, v in values.items()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0
-                  and tuple(v.shape) == h.layout.params[names.index(n)].shape]
+                  if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == shapes[n]]
         if not shaped:
             first = next((values[n] for n in mine if values[n] is not None), None)
             if first is not None:
@@ -218,14 +208,9 @@ def _load_slot(slot: _Slot, saved: Mapping[str, Mapping[str, object]],
         fulls = {}
         for n in shaped:
             if (n, key) not in gathered:
-                gathered[(n, key)] = _full(values[n])
+                gathered[(n, key)] = full_tensor(values[n])
             fulls[n] = gathered[(n, key)]
-        flat = torch.zeros(h.padded_numel, dtype=fulls[shaped[0]].dtype, device=h.device)
-        for n in shaped:
-            start, end = h.layout.param_range(names.index(n))
-            flat[start:end].copy_(fulls[n].reshape(-1))
-        begin = h.sharding.rank * h.shard_numel if h.is_sharded else 0
-        local = flat[begin: begin + h.shard_numel]
+        local = h.shard_of(fulls, fulls[shaped[0]].dtype)
         if not h.use_orig_params:
             out[key] = local.clone().to(slot.param.device)
             continue
@@ -236,8 +221,3 @@ def _load_slot(slot: _Slot, saved: Mapping[str, Mapping[str, object]],
             piece = local[view.offset_in_buffer: view.offset_in_buffer + view.numel]
             out[key] = piece.reshape(slot.param.shape).clone().to(slot.param.device)
     return out
-
-
-def _full(value: object) -> torch.Tensor:
-    assert isinstance(value, torch.Tensor)
-    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -59,6 +59,8 @@ class Sequencer:
         self._group: dist.ProcessGroup = world if group is None else group
         self._root = root
         self._size = dist.get_world_size(group)
+        self._local = torch.empty(2, dtype=torch.int64)
+        self._gathered = torch.empty(2 * self._size, dtype=torch.int64)
         self.calls = 0
         self.seconds = 0.0
         """How many agreements ran and how long they took in all."""
@@ -80,10 +82,9 @@ class Sequencer:
         if self._size == 1:
             return mine
         start = time.perf_counter()
-        local = torch.tensor([int(mine.kind), mine.unit], dtype=torch.int64)
-        gathered = torch.empty(2 * self._size, dtype=torch.int64)
-        all_gather_flat(gathered, local, self._group)
-        proposals = {Event(EventKind(int(k)), int(u)) for k, u in gathered.view(-1, 2).tolist()}
+        self._local[0], self._local[1] = int(mine.kind), mine.unit
+        all_gather_flat(self._gathered, self._local, self._group)
+        proposals = {Event(EventKind(int(k)), int(u)) for k, u in self._gathered.view(-1, 2).tolist()}
         self.calls += 1
         self.seconds += time.perf_counter() - start
         if len(proposals) == 1:

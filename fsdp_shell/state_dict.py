@@ -35,6 +35,7 @@ __all__ = [
     "StateDictType",
     "StateEntry",
     "full_state_dict",
+    "full_tensor",
     "load_state_dict",
     "sharded_state_dict",
     "state_dict_settings",
@@ -224,7 +225,7 @@ def load_state_dict(tree: Tree, state_dict: Mapping[str, object], *, strict: boo
     given: dict[str, torch.Tensor] = {}
     for e in tree.state_entries:
         if e.kind is EntryKind.PARAM and e.key in state_dict and e.param not in given:
-            given[e.param] = _full(state_dict[e.key])
+            given[e.param] = full_tensor(state_dict[e.key])
     for h in _handles(tree):
         names = [p.name for p in h.layout.params]
         if all(n in given for n in names):
@@ -237,13 +238,14 @@ def load_state_dict(tree: Tree, state_dict: Mapping[str, object], *, strict: boo
             if e.key not in state_dict:
                 continue
             if e.kind is EntryKind.BUFFER:
-                _buffer(e).copy_(_full(state_dict[e.key]))
+                _buffer(e).copy_(full_tensor(state_dict[e.key]))
             elif e.kind is EntryKind.EXTRA:
                 e.module.set_extra_state(state_dict[e.key])
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _full(value: object) -> torch.Tensor:
+def full_tensor(value: object) -> torch.Tensor:
+    """A state-dict value as a full tensor: a ``DTensor`` gathered (a collective), a tensor as is."""
     assert isinstance(value, torch.Tensor)
     if isinstance(value, DTensor):
         return value.full_tensor()

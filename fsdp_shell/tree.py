@@ -81,18 +81,20 @@ def parse_options(
     if placement is HybridAllReduce.SYNC and not strategy.is_hybrid:
         raise ValueError(f"hybrid_all_reduce: 'sync' places the replicate all-reduce of hybrid strategies; "
                          f"{strategy.name} has none (leave it 'async')")
-    if not isinstance(use_orig_params, bool):
-        raise TypeError(f"use_orig_params: expected a bool, got {use_orig_params!r}")
-    if not isinstance(forward_prefetch, bool):
-        raise TypeError(f"forward_prefetch: expected a bool, got {forward_prefetch!r}")
-    if not isinstance(ranks_may_diverge, bool):
-        raise TypeError(f"ranks_may_diverge: expected a bool, got {ranks_may_diverge!r}")
     return Options(
         strategy=strategy, mixed_precision=to_mixed_precision(mixed_precision), offload=to_cpu_offload(cpu_offload),
-        use_orig_params=use_orig_params, backward_prefetch=to_backward_prefetch(backward_prefetch),
-        forward_prefetch=forward_prefetch, division_policy=to_division_policy(division_policy),
-        hybrid_all_reduce=placement, wrap=wrap_policy(auto_wrap_policy), ranks_may_diverge=ranks_may_diverge,
+        use_orig_params=_flag("use_orig_params", use_orig_params),
+        backward_prefetch=to_backward_prefetch(backward_prefetch),
+        forward_prefetch=_flag("forward_prefetch", forward_prefetch), division_policy=to_division_policy(division_policy),
+        hybrid_all_reduce=placement, wrap=wrap_policy(auto_wrap_policy),
+        ranks_may_diverge=_flag("ranks_may_diverge", ranks_may_diverge),
     )
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return value
 
 
 @dataclass
@@ -175,17 +177,16 @@ def make_tree(module: nn.Module, options: Options, *, process_group: object, dev
     """The tree's groups, device, runtime and plan cache for ``module`` (a collective when the
     groups must be made: every rank calls it)."""
     o = options
-    device_id = _checked_device_id(device_id)
+    device = _checked_device_id(device_id)
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     if not names:
         raise ValueError(f"module: {type(module).__name__} has no parameters; there is nothing to shard")
     entries = state_entries(module, names)
-    probe = torch.device(device_id) if isinstance(device_id, torch.device) else None
-    device_type = probe.type if probe is not None else ("cuda" if isinstance(device_id, int) else "cpu")
-    groups = resolve_groups(o.strategy, process_group, device_mesh, device_type)
-    device = _device(device_id, groups)
+    groups = resolve_groups(o.strategy, process_group, device_mesh, "cpu" if device is None else device.type)
+    if device is None:
+        device = _default_device(groups)
     own_gathers = o.hybrid_all_reduce is HybridAllReduce.SYNC and device.type != "cuda"
     if own_gathers:
         groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
@@ -233,7 +234,7 @@ def wrap_policy(auto_wrap_policy: object) -> WrapPolicy | None:
     )
 
 
-def _checked_device_id(device_id: object) -> object:
+def _checked_device_id(device_id: object) -> torch.device | None:
     """``device_id`` as FSDP1 takes it (None, a CUDA index, a ``torch.device``), checked against
     this machine before any process group is touched."""
     if device_id is None:
@@ -252,14 +253,11 @@ def _checked_device_id(device_id: object) -> object:
     return device_id
 
 
-def _device(device_id: object, groups: ProcessGroups) -> torch.device:
-    if device_id is None:
-        if groups.backend == "nccl" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    if isinstance(device_id, torch.device):
-        return device_id
-    raise TypeError(f"device_id: expected None, an int or a torch.device, got {device_id!r}")
+def _default_device(groups: ProcessGroups) -> torch.device:
+    """FSDP1's default without ``device_id``: the current CUDA device with NCCL, else the CPU."""
+    if groups.backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _runtime(device: torch.device, log: CollectiveLog, *, lane_issues_shard: bool) -> Runtime:

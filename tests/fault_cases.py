@@ -12,15 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_core import MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, comm_hooks
 from fsdp_shell.agreement import RankMismatchError
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
+from tests.divergence_cases import Block
 
 
 def _model() -> nn.Module:

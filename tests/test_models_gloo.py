@@ -11,8 +11,6 @@ no-grad forwards, dataclass and dict outputs, keyword-only inputs, fp16 with
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from fsdp_core import ShardingStrategy
@@ -42,33 +40,32 @@ def test_sharded_grad_scaler_skips_an_inf_step_on_every_rank() -> None:
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf_cases import ModelCase, SaveCase, dcp_load, dcp_save, run_model_cases  # noqa: E402
+from tests.hf_cases import ModelCase, ModelOutcome, SaveCase, dcp_load, dcp_save, run_model_cases  # noqa: E402
 
 
-def _check(outcomes: dict[str, object]) -> None:
-    for name, outcome in outcomes.items():
-        fields = dataclasses.asdict(outcome)  # type: ignore[call-overload]  # ModelOutcome, typed as object here
-        assert fields["max_diff"] <= TOL, (name, fields)
-        assert fields["keys_match"], name
-        assert fields["loaded_diff"] == 0.0, (name, fields)
-        assert fields["missing"] == [] and fields["unexpected"] == [], (name, fields)
-        assert fields["tied"], name
-        assert fields["optim_diff"] <= TOL, (name, fields)
-        assert fields["optim_reloaded_diff"] == 0.0, (name, fields)
+def _check(outcomes: dict[str, ModelOutcome]) -> None:
+    for name, o in outcomes.items():
+        assert o.max_diff <= TOL, (name, o)
+        assert o.keys_match, name
+        assert o.loaded_diff == 0.0, (name, o)
+        assert o.missing == [] and o.unexpected == [], (name, o)
+        assert o.tied, name
+        assert o.optim_diff <= TOL, (name, o)
+        assert o.optim_reloaded_diff == 0.0, (name, o)
 
 
 def test_gpt2_and_llama_train_as_the_reference_on_two_ranks() -> None:
     cases = tuple(ModelCase(kind, s, o) for kind in ("gpt2", "llama") for s in FLAT for o in (False, True))
     for outcomes in run_world(2, run_model_cases, cases, timeout=380):
         assert set(outcomes) == {c.name for c in cases}
-        _check(dict(outcomes))
+        _check(outcomes)
 
 
 def test_gpt2_and_llama_train_as_the_reference_hybrid_on_four_ranks() -> None:
     cases = tuple(ModelCase(kind, s, o) for kind in ("gpt2", "llama") for s in HYBRID for o in (False, True))
     for outcomes in run_world(4, run_model_cases, cases, timeout=380):
         assert set(outcomes) == {c.name for c in cases}
-        _check(dict(outcomes))
+        _check(outcomes)
 
 
 @pytest.mark.parametrize(("kind", "strategy", "save_world"), [
