@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -23,13 +24,30 @@ from fsdp_shell.collectives import all_gather_flat
 if TYPE_CHECKING:
     from fsdp_shell.tree import Tree
 
-__all__ = ["RankMismatchError", "check_agreement", "check_same_events", "describe"]
+__all__ = ["CollectiveTimeoutError", "RankMismatchError", "check_agreement", "check_same_events", "describe",
+           "gave_up_waiting"]
 
 Field = tuple[str, str]
 
 
 class RankMismatchError(RuntimeError):
     """Ranks were built differently; raised identically on every rank."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of FSDP's gave up waiting for the other ranks (the process group's timeout,
+    or a peer that closed its connection): a rank stopped or died, or the ranks' models took
+    different paths without ``ranks_may_diverge=True``."""
+
+
+_GAVE_UP = re.compile(r"timed out|connection closed by peer|connection reset by peer|broken pipe", re.IGNORECASE)
+
+
+def gave_up_waiting(error: BaseException) -> bool:
+    """Whether ``error`` is a backend giving up on the other ranks (gloo's timeout or a lost
+    peer), rather than a failure of this rank's own work."""
+    return (isinstance(error, RuntimeError) and not isinstance(error, (RankMismatchError, CollectiveTimeoutError))
+            and _GAVE_UP.search(str(error)) is not None)
 
 
 def describe(tree: Tree) -> tuple[Field, ...]:

@@ -38,7 +38,13 @@ from fsdp_core import (
     UnshardEvent,
     step_flags,
 )
-from fsdp_shell.agreement import RankMismatchError, check_agreement, check_same_events
+from fsdp_shell.agreement import (
+    CollectiveTimeoutError,
+    RankMismatchError,
+    check_agreement,
+    check_same_events,
+    gave_up_waiting,
+)
 from fsdp_shell.collective_log import CollectiveRecord, Phase
 from fsdp_shell.comm_hooks import builtin_kind
 from fsdp_shell.flat_param import FlatParamHandle, OrigParam
@@ -497,42 +503,45 @@ class FullyShardedDataParallel(nn.Module):
         re-gathers first."""
         tree, h = self._tree, self._handle
         grad_on = torch.is_grad_enabled()
-        if self._is_root:
-            if tree.agreement_seconds is None:
-                tree.agreement_seconds = check_agreement(tree)
-            if tree.backward_started or tree.runs:
-                self._reset_backward()
-            tree.ctx.runtime.drain()
-            tree.ctx.log.phase = Phase.FORWARD
-            for unit in tree.units:
-                if unit._handle is not None:
-                    unit._handle.release_if_zeroed()
-            if grad_on:
-                tree.gathers().begin_forward()
-            low = tree.mixed_precision.param_dtype
-            if low is not None:
-                args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
-        if h is not None:
-            if not self._is_root:
-                self._sequence(Event(EventKind.PRE_FORWARD, self._index), grad_on)
-            if grad_on:
-                tree.gathers().run(UnshardEvent.PRE_FORWARD, self._index)
-            h.finish_unshard()
-            h.use_unsharded_views()
+        with self._waiting("forward"):
+            if self._is_root:
+                if tree.agreement_seconds is None:
+                    tree.agreement_seconds = check_agreement(tree)
+                if tree.backward_started or tree.runs:
+                    self._reset_backward()
+                tree.ctx.runtime.drain()
+                tree.ctx.log.phase = Phase.FORWARD
+                for unit in tree.units:
+                    if unit._handle is not None:
+                        unit._handle.release_if_zeroed()
+                if grad_on:
+                    tree.gathers().begin_forward()
+                low = tree.mixed_precision.param_dtype
+                if low is not None:
+                    args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
+            if h is not None:
+                if not self._is_root:
+                    self._sequence(Event(EventKind.PRE_FORWARD, self._index), grad_on)
+                if grad_on:
+                    tree.gathers().run(UnshardEvent.PRE_FORWARD, self._index)
+                h.finish_unshard()
+                h.use_unsharded_views()
         try:
             out = self.module(*args, **kwargs)
             if self._is_root:
-                self._sequence(Event(EventKind.END_FORWARD, -1), grad_on)
+                with self._waiting("end of forward"):
+                    self._sequence(Event(EventKind.END_FORWARD, -1), grad_on)
         finally:
             if h is not None:
                 h.restore_params()
             if self._is_root:
                 tree.ctx.log.phase = Phase.OTHER
         if h is not None:
-            if grad_on:
-                tree.gathers().run(UnshardEvent.POST_FORWARD, self._index)
-            else:
-                h.free_unsharded()
+            with self._waiting("forward"):
+                if grad_on:
+                    tree.gathers().run(UnshardEvent.POST_FORWARD, self._index)
+                else:
+                    h.free_unsharded()
         if grad_on:
             self._register_pre_backward(out)
         return out
@@ -582,8 +591,9 @@ class FullyShardedDataParallel(nn.Module):
             tree.backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._tree_final_callback)
         if not self._pre_backward_ran and self._handle is not None:
-            self._sequence(Event(EventKind.PRE_BACKWARD, self._index), True)
-            self._unshard_for_backward()
+            with self._waiting("backward"):
+                self._sequence(Event(EventKind.PRE_BACKWARD, self._index), True)
+                self._unshard_for_backward()
         return grad
 
     def _unshard_for_backward(self) -> None:
@@ -646,9 +656,10 @@ class FullyShardedDataParallel(nn.Module):
                 f"FSDP: unit {self._index}'s gradient arrived on rank {dist.get_rank()} after the ranks had "
                 "reduced it with a zero gradient here: the ranks' backward orders differ, not only which "
                 "units they use")
-        self._sequence(Event(EventKind.POST_BACKWARD, self._index), True)
-        h.restore_params()
-        self._reduce(h.take_grad())
+        with self._waiting("gradient reduction"):
+            self._sequence(Event(EventKind.POST_BACKWARD, self._index), True)
+            h.restore_params()
+            self._reduce(h.take_grad())
 
     def _reduce(self, grad: torch.Tensor) -> None:
         """Run this unit's post-backward plan on ``grad`` (its unsharded gradient)."""
@@ -666,18 +677,47 @@ class FullyShardedDataParallel(nn.Module):
 
     def _tree_final_callback(self) -> None:
         tree = self._tree
-        self._sequence(Event(EventKind.END_BACKWARD, -1), True)
-        tree.reduced_virtually.clear()
-        tree.ctx.log.phase = Phase.END_OF_BACKWARD
-        runs, tree.runs = tree.runs, []
+        with self._waiting("end of backward"):
+            self._sequence(Event(EventKind.END_BACKWARD, -1), True)
+            tree.reduced_virtually.clear()
+            tree.ctx.log.phase = Phase.END_OF_BACKWARD
+            runs, tree.runs = tree.runs, []
+            try:
+                for run in runs:
+                    run.callback_phase()
+                tree.ctx.runtime.drain()
+            finally:
+                keep = not tree.sync_gradients and tree.strategy not in RESHARD_AFTER_FORWARD_STRATEGIES
+                self._settle_units(keep_unsharded=keep, drop_partial=False)
+            tree.gathers().end_backward()
+
+    @contextlib.contextmanager
+    def _waiting(self, step: str) -> Iterator[None]:
+        """FSDP's own collectives of ``step``: a backend that gives up waiting for the other ranks
+        (the process group's timeout, a peer gone) becomes a ``CollectiveTimeoutError`` saying
+        where this rank was and what usually causes it."""
         try:
-            for run in runs:
-                run.callback_phase()
-            tree.ctx.runtime.drain()
-        finally:
-            keep = not tree.sync_gradients and tree.strategy not in RESHARD_AFTER_FORWARD_STRATEGIES
-            self._settle_units(keep_unsharded=keep, drop_partial=False)
-        tree.gathers().end_backward()
+            yield
+        except RuntimeError as error:
+            if not gave_up_waiting(error):
+                raise
+            h = self._handle
+            unit = "the root" if self._is_root else f"unit {self._index}"
+            if h is not None and h.layout.params:
+                unit += f" (holding {h.layout.params[0].name})"
+            mode = ("even with ranks_may_diverge=True: a rank stopped, died or is still busy"
+                    if self._tree.sequencer is not None else
+                    "a rank stopped, died or is still busy, or the ranks' models took different paths (a wrapped "
+                    "module skipped, or its output left unused, on some ranks only: pass ranks_may_diverge=True "
+                    "for models that do that)")
+            raise CollectiveTimeoutError(
+                f"FSDP: rank {dist.get_rank()} gave up waiting for the other ranks in the {step} of {unit}: {mode}. "
+                f"Backend: {_first_line(error)}") from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _sequencer(tree: Tree, root: int) -> Sequencer | None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_core import BackendCaps, ShardingStrategy
 
-__all__ = ["ProcessGroups", "duplicate_group", "resolve_groups"]
+__all__ = ["ProcessGroups", "duplicate_group", "group_timeout", "resolve_groups"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,18 @@ class ProcessGroups:
     def caps(self) -> BackendCaps:
         name = self.backend
         return BackendCaps.for_backend(name) if name in ("nccl", "gloo") else BackendCaps()
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """How long a collective of ``group`` waits for the other ranks before its backend gives up
+    (``init_process_group(timeout=...)``, ``new_group(timeout=...)``); None where the backend
+    does not say."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 def duplicate_group(group: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:

@@ -38,7 +38,7 @@ from fsdp_shell.compat import (
     to_mixed_precision,
     to_sharding_strategy,
 )
-from fsdp_shell.groups import ProcessGroups, duplicate_group, resolve_groups
+from fsdp_shell.groups import ProcessGroups, duplicate_group, group_timeout, resolve_groups
 from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun
 from fsdp_shell.runtime import CpuRuntime, CudaRuntime, Runtime
 from fsdp_shell.sequencer import Sequencer
@@ -150,14 +150,18 @@ class Tree:
         """A gloo group of the ranks that must agree (the world when the FSDP groups cover it,
         else the shard group) that nothing else uses: the agreement check and the event
         sequencer's host-side collectives can never interleave with a model collective issued
-        by another thread on the same group. Made once (a collective of those ranks only)."""
+        by another thread on the same group. Made once (a collective of those ranks only), with
+        the shard group's timeout, so a rank waiting in it gives up when one waiting in a
+        model collective does."""
         if self._control is None:
             covered = self.groups.shard_size * self.groups.replicate_size
+            timeout = group_timeout(self.groups.shard)
             if covered == dist.get_world_size():
-                self._control = dist.new_group(backend="gloo")
+                self._control = dist.new_group(backend="gloo", timeout=timeout)
             else:
                 ranks = dist.get_process_group_ranks(self.groups.shard)
-                self._control = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+                self._control = dist.new_group(ranks, backend="gloo", timeout=timeout,
+                                               use_local_synchronization=True)
         return self._control
 
     def mesh(self) -> DeviceMesh:

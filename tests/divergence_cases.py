@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell import FSDP
+from fsdp_shell.agreement import CollectiveTimeoutError
 
 
 class Block(nn.Module):
@@ -110,5 +113,20 @@ def undetected_by_default(rank: int, world: int, _: None) -> str:
     try:
         torch.autograd.backward(((wrapped(x, unused=frozenset({1 + rank})) - y) ** 2).mean())
     except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def gives_up_by_default(rank: int, world: int, skip_on_rank_1: frozenset[int]) -> str:
+    """Without ``ranks_may_diverge``: rank 1's forward skips ``skip_on_rank_1``, so some rank waits
+    in a collective the others never issue. Every rank must raise ``CollectiveTimeoutError`` when
+    the process group's timeout (4 s here) expires, saying what to do."""
+    group = dist.new_group(timeout=timedelta(seconds=4))
+    torch.manual_seed(0)
+    wrapped = FSDP(Branchy(), auto_wrap_policy={Block}, process_group=group)
+    x, y = _batch(0, rank)
+    try:
+        torch.autograd.backward(((wrapped(x, skip=skip_on_rank_1 if rank == 1 else frozenset()) - y) ** 2).mean())
+    except CollectiveTimeoutError as exc:
         return str(exc)
     return ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fsdp_core import ShardingStrategy
 from tests.dist_harness import run_world
-from tests.divergence_cases import Divergence, run_divergences, undetected_by_default
+from tests.divergence_cases import Divergence, gives_up_by_default, run_divergences, undetected_by_default
 
 F = frozenset
 TOL = 1e-6
@@ -51,3 +51,11 @@ def test_without_ranks_may_diverge_paths_that_pair_wrongly_raise_on_every_rank()
     messages = run_world(2, undetected_by_default, None, timeout=120)
     assert all("ranks ran different FSDP units" in m and "ranks_may_diverge=True" in m for m in messages), messages
     assert messages[0] == messages[1]
+
+
+def test_without_ranks_may_diverge_a_rank_left_waiting_raises_on_every_rank_at_the_timeout() -> None:
+    for skipped in (F({1}), F({3})):
+        messages = run_world(2, gives_up_by_default, skipped, timeout=90)
+        for rank, message in enumerate(messages):
+            assert f"rank {rank} gave up waiting for the other ranks" in message, (skipped, messages)
+            assert "pass ranks_may_diverge=True" in message, (skipped, messages)
