@@ -70,7 +70,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_core import (  # noqa: E402
+from fsdp_core import ShardingStrategy  # noqa: E402
+from fsdp_core.sim import ( # noqa: E402
     Collective,
     CollectiveSample,
     IterationTimeline,
@@ -80,7 +81,6 @@ from fsdp_core import (  # noqa: E402
     MeasuredUnit,
     Measurements,
     Schedule,
-    ShardingStrategy,
     SharingSample,
     SlowdownSample,
     format_iteration,

@@ -1,79 +1,19 @@
 """fsdp_core: FSDP's gradient post-processing and all-gather schedule as pure data.
 
-Immutable descriptors go in; a ``Plan`` (an ordered tuple of ops over named buffers on named
-streams) comes out; ``check_plan`` proves it sound; ``format_plan`` shows it. On the parameter
-side, ``plan_unshard`` turns the recorded execution order into an ``UnshardSchedule`` that
-``check_unshard`` proves sound. Nothing here imports ``torch.distributed``, touches a tensor,
-keeps global state or does I/O.
+Immutable descriptors go in (``fsdp_core.spec``); a ``Plan`` (an ordered tuple of ops over named
+buffers on named streams) comes out (``fsdp_core.plan``); ``check_plan`` proves it sound;
+``format_plan`` shows it. On the parameter side (``fsdp_core.unshard``), ``plan_unshard`` turns the
+recorded execution order into an ``UnshardSchedule`` that ``check_unshard`` proves sound. Both
+verifiers report ``Problem`` values of one ``Rule`` vocabulary (``fsdp_core.problems``). Nothing
+here imports ``torch.distributed``, touches a tensor, keeps global state or does I/O.
 
-``simulate_iteration`` simulates a whole training iteration of several units on FSDP1's streams
-and shared links (``fsdp_core.iteration``); ``fsdp_core.seed`` reproduces PyTorch PR 106080's
-table with it, and ``fsdp_core.calibration`` builds it from timings measured on a cluster.
+This facade exports the descriptors, the plan and the all-gather schedule. The simulation of
+timelines and whole iterations, which nothing at run time uses, is ``fsdp_core.sim``.
 """
 
-from fsdp_core.calibration import (
-    AffineCost,
-    Collective,
-    CollectiveFits,
-    CollectiveSample,
-    Load,
-    MeasuredUnit,
-    Measurements,
-    SharingSample,
-    SlowdownSample,
-    fit_affine,
-    fit_collectives,
-    links_from_measurements,
-    model_from_measurements,
-)
-from fsdp_core.carry import CARRIED_ROLES, carried_role, step_flags
-from fsdp_core.comm import CommVolume, all_gather_volume, comm_volume
-from fsdp_core.config import (
-    HYBRID_STRATEGIES,
-    BackwardPrefetch,
-    RESHARD_AFTER_FORWARD_STRATEGIES,
-    CommHook,
-    CPUOffload,
-    HybridAllReduce,
-    MixedPrecision,
-    ShardingStrategy,
-    StepFlags,
-    parse_member,
-)
-from fsdp_core.division import (
-    BackendCaps,
-    DivideFactors,
-    Division,
-    DivisionPolicy,
-    ReduceKind,
-    ReduceOpSpec,
-    divide_factors,
-    fsdp1_predivide_factor,
-)
-from fsdp_core.iteration import (
-    CollectiveCosts,
-    ComputeSlowdown,
-    Interval,
-    IterationModel,
-    IterationTimeline,
-    LinkModel,
-    Phase,
-    Schedule,
-    UnitCosts,
-    simulate_iteration,
-)
-from fsdp_core.iteration_render import PHASE_MARKS, format_iteration, iteration_to_trace
-from fsdp_core.layout import (
-    FlatParamLayout,
-    ParamSpec,
-    ShardBounds,
-    ShardingSpec,
-    ShardView,
-    aligned_numel_for,
-    unsharded_views,
-)
-from fsdp_core.link_sim import Link, SimTask, run_tasks
-from fsdp_core.ops import (
+from fsdp_core.plan.carry import CARRIED_ROLES, carried_role, step_flags
+from fsdp_core.plan.comm import CommVolume, all_gather_volume, comm_volume
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Buffer,
@@ -99,45 +39,65 @@ from fsdp_core.ops import (
     WaitStream,
     op_name,
 )
-from fsdp_core.plan import Plan, PlanRequest
-from fsdp_core.planner import PLAN_BUILDERS, PlanCache, UnsoundPlanError, build_plan, plan_post_backward
-from fsdp_core.render import format_plan, format_unshard, plan_to_json, timeline_to_json, unshard_to_json
-from fsdp_core.seed import (
-    SEED_DECODER,
-    SEED_ENCODER,
-    SEED_PARAMETERS,
-    SEED_ROWS,
-    SeedCalibration,
-    SeedParameters,
-    SeedResult,
-    SeedRow,
-    fit_seed,
-    format_seed_table,
-    format_seed_timeline,
-    seed_calibration,
-    seed_links,
-    seed_model,
+from fsdp_core.plan.planner import (
+    PLAN_BUILDERS,
+    PlanCache,
+    UnsoundPlanError,
+    all_reduce_stream,
+    build_plan,
+    plan_post_backward,
 )
-from fsdp_core.timeline import CostModel, TimelineEntry, format_timeline, simulate_timeline
-from fsdp_core.unshard import (
+from fsdp_core.plan.render import format_plan, plan_to_json
+from fsdp_core.plan.request import Plan, PlanRequest
+from fsdp_core.plan.verifier import check_plan
+from fsdp_core.problems import Problem, Rule
+from fsdp_core.spec.config import (
+    HYBRID_STRATEGIES,
+    BackwardPrefetch,
+    CommHook,
+    CPUOffload,
+    HybridAllReduce,
+    MixedPrecision,
+    ShardingStrategy,
+    StepFlags,
+    parse_member,
+)
+from fsdp_core.spec.division import (
+    BackendCaps,
+    DivideFactors,
+    Division,
+    DivisionPolicy,
+    ReduceKind,
+    ReduceOpSpec,
+    divide_factors,
+    fsdp1_predivide_factor,
+)
+from fsdp_core.spec.events import Event, HookEvent
+from fsdp_core.spec.layout import (
+    FlatParamLayout,
+    ParamSpec,
+    ShardBounds,
+    ShardingSpec,
+    ShardView,
+    aligned_numel_for,
+    unsharded_views,
+)
+from fsdp_core.unshard.render import format_unshard, unshard_to_json
+from fsdp_core.unshard.schedule import (
     AwaitGather,
     Gather,
-    HookEvent,
     Reshard,
     UnshardAction,
-    UnshardEvent,
     UnshardRequest,
     UnshardSchedule,
     UnshardStep,
     action_name,
     plan_unshard,
 )
-from fsdp_core.unshard_verifier import check_unshard
-from fsdp_core.verifier import Problem, Rule, check_plan
+from fsdp_core.unshard.verifier import check_unshard
 
 __all__ = [
     "Accumulate",
-    "AffineCost",
     "AllReduce",
     "AwaitGather",
     "BackendCaps",
@@ -145,15 +105,9 @@ __all__ = [
     "Buffer",
     "CARRIED_ROLES",
     "Cast",
-    "Collective",
-    "CollectiveCosts",
-    "CollectiveFits",
-    "CollectiveSample",
     "CommHook",
     "CommHookCall",
     "CommVolume",
-    "ComputeSlowdown",
-    "CostModel",
     "CPUOffload",
     "Destination",
     "Device",
@@ -162,6 +116,7 @@ __all__ = [
     "Division",
     "DivisionPolicy",
     "EndOfBackwardWait",
+    "Event",
     "FlatParamLayout",
     "Free",
     "FreeUnshardedParam",
@@ -169,26 +124,16 @@ __all__ = [
     "GradViews",
     "Group",
     "HandOff",
-    "HybridAllReduce",
     "HookEvent",
+    "HybridAllReduce",
     "HYBRID_STRATEGIES",
     "Input",
     "InputRole",
-    "Interval",
-    "IterationModel",
-    "IterationTimeline",
-    "Link",
-    "LinkModel",
-    "Load",
-    "MeasuredUnit",
-    "Measurements",
     "MixedPrecision",
     "Offload",
     "Op",
     "Pad",
     "ParamSpec",
-    "Phase",
-    "PHASE_MARKS",
     "Plan",
     "PLAN_BUILDERS",
     "PlanCache",
@@ -199,30 +144,14 @@ __all__ = [
     "ReduceOpSpec",
     "ReduceScatter",
     "Reshard",
-    "RESHARD_AFTER_FORWARD_STRATEGIES",
     "Rule",
-    "Schedule",
-    "SEED_DECODER",
-    "SEED_ENCODER",
-    "SEED_PARAMETERS",
-    "SEED_ROWS",
-    "SeedCalibration",
-    "SeedParameters",
-    "SeedResult",
-    "SeedRow",
     "ShardBounds",
     "ShardingSpec",
     "ShardingStrategy",
     "ShardView",
-    "SharingSample",
-    "SimTask",
-    "SlowdownSample",
     "StepFlags",
     "Stream",
-    "TimelineEntry",
-    "UnitCosts",
     "UnshardAction",
-    "UnshardEvent",
     "UnshardRequest",
     "UnshardSchedule",
     "UnshardStep",
@@ -231,38 +160,22 @@ __all__ = [
     "action_name",
     "aligned_numel_for",
     "all_gather_volume",
+    "all_reduce_stream",
     "build_plan",
     "carried_role",
     "check_plan",
     "check_unshard",
     "comm_volume",
     "divide_factors",
-    "fit_affine",
-    "fit_collectives",
-    "fit_seed",
-    "format_iteration",
     "format_plan",
-    "format_seed_table",
-    "format_seed_timeline",
-    "format_timeline",
     "format_unshard",
     "fsdp1_predivide_factor",
-    "iteration_to_trace",
-    "links_from_measurements",
-    "model_from_measurements",
     "op_name",
     "parse_member",
     "plan_post_backward",
     "plan_to_json",
     "plan_unshard",
-    "run_tasks",
-    "seed_calibration",
-    "seed_links",
-    "seed_model",
-    "simulate_iteration",
-    "simulate_timeline",
     "step_flags",
-    "timeline_to_json",
     "unshard_to_json",
     "unsharded_views",
 ]

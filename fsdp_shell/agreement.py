@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fsdp_core import Event, HookEvent
 from fsdp_shell.collectives import all_gather_flat
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def _check_partition(seen: list[tuple[int, str, list[int], list[int]]]) -> None:
                         f"{theirs[slot]}; every rank must pass groups from one layout (e.g. one DeviceMesh)")
 
 
-def check_same_events(tree: Tree, events: list[tuple[int, int]]) -> None:
+def check_same_events(tree: Tree, events: list[HookEvent]) -> None:
     """At the end of a backward: every rank ran the same FSDP events (pre-forward of each unit,
     pre- and post-backward, the ends), compared by digest with one tiny all-gather. If not, the
     ranks' collectives may have been paired wrongly, so every rank raises (the step's gradients
@@ -147,7 +148,7 @@ def check_same_events(tree: Tree, events: list[tuple[int, int]]) -> None:
     all_gather_flat(gathered, local, group)
     if len(set(gathered.tolist())) == 1:
         return
-    details: list[tuple[int, list[tuple[int, int]]] | None] = [None] * size
+    details: list[tuple[int, list[HookEvent]] | None] = [None] * size
     dist.all_gather_object(details, (dist.get_rank(), events), group=group)
     shown = "; ".join(f"rank {rank}: units {_units(e)}" for rank, e in sorted(d for d in details if d is not None))
     raise RankMismatchError(
@@ -156,7 +157,7 @@ def check_same_events(tree: Tree, events: list[tuple[int, int]]) -> None:
         "when ranks' models can skip a wrapped module or leave its output unused")
 
 
-def _units(events: list[tuple[int, int]]) -> str:
-    forward = [u for k, u in events if k == 0]
-    backward = [u for k, u in events if k == 3]
+def _units(events: list[HookEvent]) -> str:
+    forward = [u for e, u in events if e is Event.PRE_FORWARD]
+    backward = [u for e, u in events if e is Event.POST_BACKWARD]
     return f"forward {forward}, reduced {backward}"

@@ -26,16 +26,16 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_core import (
-    RESHARD_AFTER_FORWARD_STRATEGIES,
     BackwardPrefetch,
     DivisionPolicy,
+    Event,
     FlatParamLayout,
+    HookEvent,
     HybridAllReduce,
     PlanRequest,
     ShardingSpec,
     ShardingStrategy,
     Stream,
-    UnshardEvent,
     step_flags,
 )
 from fsdp_shell.agreement import (
@@ -52,7 +52,7 @@ from fsdp_shell.interpreter import PlanRun
 from fsdp_shell.optim_state import optim_state_dict as optim_state_dict_of
 from fsdp_shell.optim_state import optim_state_dict_to_load
 from fsdp_shell.runtime import CudaRuntime
-from fsdp_shell.sequencer import Event, EventKind, Sequencer
+from fsdp_shell.sequencer import Sequencer
 from fsdp_shell.state_dict import (
     StateDictSettings,
     StateDictType,
@@ -173,7 +173,7 @@ class FullyShardedDataParallel(nn.Module):
             _tree.sequencer = _sequencer(_tree, self._index)
             _tree.unshard = UnshardRunner(
                 [u._handle for u in _tree.units], self._index,
-                reshard_after_forward=_tree.strategy in RESHARD_AFTER_FORWARD_STRATEGIES,
+                reshard_after_forward=_tree.strategy.reshards_after_forward,
                 reshard_after_backward=_tree.strategy.is_sharded,
                 backward_prefetch=_tree.backward_prefetch, forward_prefetch=_tree.forward_prefetch,
             )
@@ -521,16 +521,16 @@ class FullyShardedDataParallel(nn.Module):
                     args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
             if h is not None:
                 if not self._is_root:
-                    self._sequence(Event(EventKind.PRE_FORWARD, self._index), grad_on)
+                    self._sequence(HookEvent(Event.PRE_FORWARD, self._index), grad_on)
                 if grad_on:
-                    tree.gathers().run(UnshardEvent.PRE_FORWARD, self._index)
+                    tree.gathers().run(Event.PRE_FORWARD, self._index)
                 h.finish_unshard()
                 h.use_unsharded_views()
         try:
             out = self.module(*args, **kwargs)
             if self._is_root:
                 with self._waiting("end of forward"):
-                    self._sequence(Event(EventKind.END_FORWARD, -1), grad_on)
+                    self._sequence(HookEvent(Event.END_FORWARD, -1), grad_on)
         finally:
             if h is not None:
                 h.restore_params()
@@ -539,7 +539,7 @@ class FullyShardedDataParallel(nn.Module):
         if h is not None:
             with self._waiting("forward"):
                 if grad_on:
-                    tree.gathers().run(UnshardEvent.POST_FORWARD, self._index)
+                    tree.gathers().run(Event.POST_FORWARD, self._index)
                 else:
                     h.free_unsharded()
         if grad_on:
@@ -592,7 +592,7 @@ class FullyShardedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._tree_final_callback)
         if not self._pre_backward_ran and self._handle is not None:
             with self._waiting("backward"):
-                self._sequence(Event(EventKind.PRE_BACKWARD, self._index), True)
+                self._sequence(HookEvent(Event.PRE_BACKWARD, self._index), True)
                 self._unshard_for_backward()
         return grad
 
@@ -602,12 +602,12 @@ class FullyShardedDataParallel(nn.Module):
         self._pre_backward_ran = True
         tree.ctx.log.phase = Phase.PRE_BACKWARD
         h.begin_backward()
-        tree.gathers().run(UnshardEvent.PRE_BACKWARD, self._index)
+        tree.gathers().run(Event.PRE_BACKWARD, self._index)
         h.finish_unshard()
         if tree.use_orig_params:
             h.use_unsharded_views()
 
-    def _sequence(self, event: Event, grad_on: bool) -> None:
+    def _sequence(self, event: HookEvent, grad_on: bool) -> None:
         """With ``ranks_may_diverge``: agree with the other ranks that ``event`` is next here,
         running first (virtually) every earlier event another rank is at
         (``fsdp_shell.sequencer``). Without: record it, and at the end of backward check that
@@ -615,31 +615,31 @@ class FullyShardedDataParallel(nn.Module):
         tree = self._tree
         if tree.sequencer is None:
             if grad_on:
-                tree.events.append((int(event.kind), event.unit))
-            if event.kind is EventKind.END_BACKWARD:
+                tree.events.append(event)
+            if event.event is Event.END_BACKWARD:
                 events, tree.events = tree.events, []
                 check_same_events(tree, events)
             return
         while (decided := tree.sequencer.agree(event)) != event:
-            tree.units[decided.unit]._run_virtually(decided.kind, grad_on)
+            tree.units[decided.unit]._run_virtually(decided.event, grad_on)
 
-    def _run_virtually(self, kind: EventKind, grad_on: bool) -> None:
+    def _run_virtually(self, kind: Event, grad_on: bool) -> None:
         """This unit's event, which other ranks run and this one would skip: the same
         collectives, with nothing computed (a zero gradient for the reduction)."""
         tree, h = self._tree, self._handle
         assert h is not None
-        if kind is EventKind.PRE_FORWARD:
+        if kind is Event.PRE_FORWARD:
             if grad_on:
-                tree.gathers().run(UnshardEvent.PRE_FORWARD, self._index)
+                tree.gathers().run(Event.PRE_FORWARD, self._index)
             h.finish_unshard()
             if grad_on:
-                tree.gathers().run(UnshardEvent.POST_FORWARD, self._index)
+                tree.gathers().run(Event.POST_FORWARD, self._index)
             else:
                 h.free_unsharded()
-        elif kind is EventKind.PRE_BACKWARD:
+        elif kind is Event.PRE_BACKWARD:
             if not self._pre_backward_ran:
                 self._unshard_for_backward()
-        elif kind is EventKind.POST_BACKWARD:
+        elif kind is Event.POST_BACKWARD:
             if not self._pre_backward_ran:
                 self._unshard_for_backward()
             h.restore_params()
@@ -657,7 +657,7 @@ class FullyShardedDataParallel(nn.Module):
                 "reduced it with a zero gradient here: the ranks' backward orders differ, not only which "
                 "units they use")
         with self._waiting("gradient reduction"):
-            self._sequence(Event(EventKind.POST_BACKWARD, self._index), True)
+            self._sequence(HookEvent(Event.POST_BACKWARD, self._index), True)
             h.restore_params()
             self._reduce(h.take_grad())
 
@@ -673,12 +673,12 @@ class FullyShardedDataParallel(nn.Module):
         tree.ctx.log.phase = Phase.POST_BACKWARD
         run.hook_phase()
         tree.runs.append(run)
-        tree.gathers().run(UnshardEvent.POST_BACKWARD, self._index)
+        tree.gathers().run(Event.POST_BACKWARD, self._index)
 
     def _tree_final_callback(self) -> None:
         tree = self._tree
         with self._waiting("end of backward"):
-            self._sequence(Event(EventKind.END_BACKWARD, -1), True)
+            self._sequence(HookEvent(Event.END_BACKWARD, -1), True)
             tree.reduced_virtually.clear()
             tree.ctx.log.phase = Phase.END_OF_BACKWARD
             runs, tree.runs = tree.runs, []
@@ -687,7 +687,7 @@ class FullyShardedDataParallel(nn.Module):
                     run.callback_phase()
                 tree.ctx.runtime.drain()
             finally:
-                keep = not tree.sync_gradients and tree.strategy not in RESHARD_AFTER_FORWARD_STRATEGIES
+                keep = not tree.sync_gradients and not tree.strategy.reshards_after_forward
                 self._settle_units(keep_unsharded=keep, drop_partial=False)
             tree.gathers().end_backward()
 

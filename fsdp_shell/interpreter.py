@@ -44,7 +44,7 @@ from fsdp_core import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan import buffers_of
+from fsdp_core.plan.request import buffers_of
 from fsdp_shell.collective_log import CollectiveLog
 from fsdp_shell.collectives import gloo_reduce_scatter, reduce_scatter_flat
 from fsdp_shell.runtime import Runtime, Waiter

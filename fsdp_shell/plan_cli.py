@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 
 import torch  # noqa: E402  (after the warning filter)
 
-from fsdp_core import (  # noqa: E402
+from fsdp_core import ( # noqa: E402
     BackendCaps,
     BackwardPrefetch,
     CommHook,
@@ -32,7 +32,6 @@ from fsdp_core import (  # noqa: E402
     MixedPrecision,
     Plan,
     Problem,
-    RESHARD_AFTER_FORWARD_STRATEGIES,
     ShardingSpec,
     ShardingStrategy,
     StepFlags,
@@ -43,15 +42,13 @@ from fsdp_core import (  # noqa: E402
     check_unshard,
     comm_volume,
     format_plan,
-    format_timeline,
     format_unshard,
     plan_post_backward,
     plan_to_json,
     plan_unshard,
-    simulate_timeline,
-    timeline_to_json,
     unshard_to_json,
 )
+from fsdp_core.sim import format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
 from fsdp_shell.cli_parser import OneLineErrorParser
 
 __all__ = ["main", "parse_backward_prefetch", "parse_dtype", "plan_from_args", "unshard_from_args"]
@@ -192,7 +189,7 @@ def unshard_from_args(args: argparse.Namespace, plan: Plan) -> UnshardSchedule |
         return None
     return plan_unshard(UnshardRequest.chain(
         args.units,
-        reshard_after_forward=strategy in RESHARD_AFTER_FORWARD_STRATEGIES,
+        reshard_after_forward=strategy.reshards_after_forward,
         reshard_after_backward=plan.should_free_in_backward,
         backward_prefetch=prefetch,
         forward_prefetch=args.forward_prefetch,

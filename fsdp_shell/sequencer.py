@@ -22,32 +22,19 @@ silently dropped gradient.
 
 from __future__ import annotations
 
-import enum
 import math
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from fsdp_core import Event, HookEvent
 from fsdp_shell.collectives import all_gather_flat
 
-__all__ = ["Event", "EventKind", "Sequencer"]
+__all__ = ["Sequencer"]
 
 
-class EventKind(enum.IntEnum):
-    PRE_FORWARD = 0
-    END_FORWARD = 1
-    PRE_BACKWARD = 2
-    POST_BACKWARD = 3
-    END_BACKWARD = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    kind: EventKind
-    unit: int
-    """The unit's construction index (the root's is the largest); -1 for the ends."""
+_CODES: tuple[Event, ...] = tuple(Event)
+"""An event's number on the wire: its position in ``Event``."""
 
 
 class Sequencer:
@@ -62,31 +49,28 @@ class Sequencer:
         self._local = torch.empty(2, dtype=torch.int64)
         self._gathered = torch.empty(2 * self._size, dtype=torch.int64)
         self.calls = 0
-        self.seconds = 0.0
-        """How many agreements ran and how long they took in all."""
+        """How many agreements ran (collectives issued)."""
 
-    def _key(self, e: Event) -> tuple[float, ...]:
-        if e.kind is EventKind.PRE_FORWARD:
+    def _key(self, e: HookEvent) -> tuple[float, ...]:
+        if e.event is Event.PRE_FORWARD:
             return (0.0, float(e.unit))
-        if e.kind is EventKind.END_FORWARD:
+        if e.event is Event.END_FORWARD:
             return (0.0, math.inf)
-        if e.kind is EventKind.END_BACKWARD:
+        if e.event is Event.END_BACKWARD:
             return (1.0, math.inf)
         if e.unit == self._root:
-            return (1.0, -math.inf if e.kind is EventKind.PRE_BACKWARD else math.inf - 1)
-        return (1.0, float(-e.unit), float(e.kind is EventKind.POST_BACKWARD))
+            return (1.0, -math.inf if e.event is Event.PRE_BACKWARD else math.inf - 1)
+        return (1.0, float(-e.unit), float(e.event is Event.POST_BACKWARD))
 
-    def agree(self, mine: Event) -> Event:
+    def agree(self, mine: HookEvent) -> HookEvent:
         """The event every rank runs next: ``mine`` if every rank proposes it, else the earliest
         proposed (a collective)."""
         if self._size == 1:
             return mine
-        start = time.perf_counter()
-        self._local[0], self._local[1] = int(mine.kind), mine.unit
+        self._local[0], self._local[1] = _CODES.index(mine.event), mine.unit
         all_gather_flat(self._gathered, self._local, self._group)
-        proposals = {Event(EventKind(int(k)), int(u)) for k, u in self._gathered.view(-1, 2).tolist()}
+        proposals = {HookEvent(_CODES[k], u) for k, u in self._gathered.view(-1, 2).tolist()}
         self.calls += 1
-        self.seconds += time.perf_counter() - start
         if len(proposals) == 1:
             return mine
         return min(proposals, key=self._key)

@@ -2,7 +2,7 @@
 
 Prints the seed's four iteration times beside the simulated ones, which are fitted and which
 predicted, the free parameters, and an ASCII timeline of one iteration per row
-(``fsdp_core.seed``, ``fsdp_core.iteration``). ``--trace DIR`` also writes one Chrome/Perfetto
+(``fsdp_core.sim.pr106080``, ``fsdp_core.sim.iteration``). ``--trace DIR`` also writes one Chrome/Perfetto
 trace per row, ``DIR/<row>.json`` (open it in https://ui.perfetto.dev or chrome://tracing).
 ``--contention`` and ``--concurrent-collectives`` show how the rows move under other link
 models; nothing is refitted. Exit status: 0; 2 for bad arguments or an unwritable ``--trace``
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from fsdp_core import (
+from fsdp_core.sim import (
     SEED_PARAMETERS,
     SEED_ROWS,
     SeedCalibration,

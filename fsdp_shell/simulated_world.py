@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 from typing_extensions import assert_never
 
-from fsdp_core.config import CommHook
-from fsdp_core.division import ReduceKind, ReduceOpSpec, fsdp1_predivide_factor
-from fsdp_core.ops import (
+from fsdp_core.spec.config import CommHook
+from fsdp_core.spec.division import ReduceKind, ReduceOpSpec, fsdp1_predivide_factor
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Buffer,
@@ -54,8 +54,8 @@ from fsdp_core.ops import (
     ReduceScatter,
     WaitStream,
 )
-from fsdp_core.plan import Plan, PlanRequest
-from fsdp_core.planner import build_plan
+from fsdp_core.plan.request import Plan, PlanRequest
+from fsdp_core.plan.planner import build_plan
 
 __all__ = [
     "GradView",

@@ -23,6 +23,7 @@ from fsdp_core import (
     Division,
     DivisionPolicy,
     Group,
+    HookEvent,
     HybridAllReduce,
     MixedPrecision,
     PlanCache,
@@ -135,7 +136,7 @@ class Tree:
     _mesh: DeviceMesh | None = None
     sequence_events: bool = False
     """Whether the ranks agree on every FSDP event (``ranks_may_diverge``, ``fsdp_shell.sequencer``)."""
-    events: list[tuple[int, int]] = field(default_factory=list)
+    events: list[HookEvent] = field(default_factory=list)
     """Without the sequencer: this iteration's FSDP events, compared across ranks at the end of
     backward."""
     sequencer: Sequencer | None = None

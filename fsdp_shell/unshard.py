@@ -18,11 +18,11 @@ from typing import Sequence
 from typing_extensions import assert_never
 
 from fsdp_core import (
+    Event,
     AwaitGather,
     BackwardPrefetch,
     Gather,
     Reshard,
-    UnshardEvent,
     UnshardRequest,
     UnshardSchedule,
     check_unshard,
@@ -69,16 +69,16 @@ class UnshardRunner:
             self._forward.clear()
             self._backward.clear()
 
-    def run(self, event: UnshardEvent, unit: int) -> None:
+    def run(self, event: Event, unit: int) -> None:
         """Run the schedule's actions for ``event`` of ``unit`` (recording the order first)."""
         if self._recording and self._handles[unit] is not None:
             order: list[int] | None
             match event:
-                case UnshardEvent.PRE_FORWARD:
+                case Event.PRE_FORWARD:
                     order = self._forward
-                case UnshardEvent.PRE_BACKWARD:
+                case Event.PRE_BACKWARD:
                     order = self._backward
-                case UnshardEvent.POST_FORWARD | UnshardEvent.POST_BACKWARD:
+                case Event.POST_FORWARD | Event.POST_BACKWARD | Event.END_FORWARD | Event.END_BACKWARD:
                     order = None
                 case _:
                     assert_never(event)

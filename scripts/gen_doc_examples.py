@@ -69,14 +69,12 @@ from fsdp_core import (
     ReduceOpSpec,
     Reshard,
     ReduceScatter,
-    SEED_PARAMETERS,
-    SEED_ROWS,
     ShardingSpec,
     ShardingStrategy,
     StepFlags,
     Stream,
     UnshardAction,
-    UnshardEvent,
+    Event,
     UnshardRequest,
     UnshardSchedule,
     WaitStream,
@@ -84,12 +82,16 @@ from fsdp_core import (
     check_unshard,
     comm_volume,
     format_plan,
-    format_seed_table,
-    format_seed_timeline,
-    format_timeline,
     format_unshard,
     plan_post_backward,
     plan_unshard,
+)
+from fsdp_core.sim import (
+    SEED_PARAMETERS,
+    SEED_ROWS,
+    format_seed_table,
+    format_seed_timeline,
+    format_timeline,
     seed_calibration,
     simulate_timeline,
 )
@@ -253,13 +255,13 @@ def _chain(units: int = 4, prefetch: BackwardPrefetch | None = BackwardPrefetch.
 
 
 def _with_actions(schedule: UnshardSchedule,
-                  changes: Mapping[tuple[UnshardEvent, int], tuple[UnshardAction, ...]]) -> UnshardSchedule:
+                  changes: Mapping[tuple[Event, int], tuple[UnshardAction, ...]]) -> UnshardSchedule:
     """``schedule`` with the actions of the given (event, unit) steps replaced."""
     steps = tuple(replace(s, actions=changes.get((s.event, s.unit), s.actions)) for s in schedule.steps)
     return UnshardSchedule(request=schedule.request, steps=steps)
 
 
-_E = UnshardEvent
+_E = Event
 
 
 def _g(unit: int) -> Gather:

@@ -22,7 +22,7 @@ from fsdp_core import (
     carried_role,
     step_flags,
 )
-from fsdp_core.layout import ShardBounds
+from fsdp_core.spec.layout import ShardBounds
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 

@@ -42,7 +42,6 @@ from fsdp_core import (
     Buffer,
     CommHook,
     CommHookCall,
-    CostModel,
     Destination,
     Device,
     FlatParamLayout,
@@ -61,7 +60,7 @@ from fsdp_core import (
     ShardingStrategy,
     Stream,
     UnshardAction,
-    UnshardEvent,
+    Event,
     UnshardRequest,
     UnshardSchedule,
     UnshardStep,
@@ -75,17 +74,17 @@ from fsdp_core import (
     op_name,
     plan_to_json,
     plan_unshard,
-    simulate_timeline,
     unshard_to_json,
 )
-from fsdp_core.plan import buffers_of
-from fsdp_core.render import describe_op
+from fsdp_core.sim import CostModel, simulate_timeline
+from fsdp_core.plan.request import buffers_of
+from fsdp_core.plan.render import describe_op
 from fsdp_shell.flat_param import FlatParamHandle
 from fsdp_shell.simulated_world import SimulationError, WorldGeometry, simulate
 from fsdp_shell.unshard import UnshardRunner
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted([*(ROOT / "fsdp_core").glob("*.py"), *(ROOT / "fsdp_shell").rglob("*.py")])
+SOURCES = sorted([*(ROOT / "fsdp_core").rglob("*.py"), *(ROOT / "fsdp_shell").rglob("*.py")])
 
 OP_KINDS: tuple[type, ...] = typing.get_args(Op)
 ACTION_KINDS: tuple[type, ...] = typing.get_args(UnshardAction)
@@ -247,7 +246,7 @@ SCHEDULE_REQUEST = UnshardRequest(units=1, root=0, forward_order=(0,), backward_
 
 def schedule_with(action: UnshardAction) -> UnshardSchedule:
     """The on-demand schedule, with ``action`` as the whole pre-backward of unit 0."""
-    step = UnshardStep(event=UnshardEvent.PRE_BACKWARD, unit=0, actions=(action,))
+    step = UnshardStep(event=Event.PRE_BACKWARD, unit=0, actions=(action,))
     return UnshardSchedule(request=SCHEDULE_REQUEST, steps=(step,))
 
 
@@ -290,7 +289,7 @@ def test_every_action_kind_through_every_consumer(kind: type) -> None:
     runner = UnshardRunner([cast(FlatParamHandle, handle)], 0, reshard_after_forward=False,
                            reshard_after_backward=True, backward_prefetch=None, forward_prefetch=False)
     runner.schedule = schedule
-    runner.run(UnshardEvent.PRE_BACKWARD, 0)
+    runner.run(Event.PRE_BACKWARD, 0)
     expected_calls: dict[type, str] = {Gather: "start_unshard", AwaitGather: "finish_unshard", Reshard: "free_unsharded"}
     assert handle.calls == [expected_calls[kind]]
 
@@ -314,9 +313,9 @@ def test_every_enum_member_is_mapped() -> None:
         CommHook.FP16_COMPRESS: torch.float16, CommHook.BF16_COMPRESS: torch.bfloat16, CommHook.USER: None}
     specs = [ReduceOpSpec(kind=k, premul=0.5 if k is ReduceKind.PREMUL_SUM else 1.0) for k in ReduceKind]
     assert [(str(s), s.scale(4)) for s in specs] == [("sum", 1.0), ("avg", 0.25), ("premul_sum(0.5)", 0.5)]
-    assert {e: len(SCHEDULE_REQUEST.on_demand(e, 0)) for e in UnshardEvent} == {
-        UnshardEvent.PRE_FORWARD: 2, UnshardEvent.POST_FORWARD: 0, UnshardEvent.PRE_BACKWARD: 2,
-        UnshardEvent.POST_BACKWARD: 0}
+    assert {e: len(SCHEDULE_REQUEST.on_demand(e, 0)) for e in Event} == {
+        Event.PRE_FORWARD: 2, Event.POST_FORWARD: 0, Event.END_FORWARD: 0, Event.PRE_BACKWARD: 2,
+        Event.POST_BACKWARD: 0, Event.END_BACKWARD: 0}
     assert len(plan_unshard(SCHEDULE_REQUEST).steps) == len(SCHEDULE_REQUEST.events)
 
 
@@ -396,7 +395,11 @@ def test_the_static_checks_catch_what_they_forbid() -> None:
 
 
 def _core_modules() -> list[Any]:
-    return [importlib.import_module(f"fsdp_core.{m.name}") for m in pkgutil.iter_modules(fsdp_core.__path__)]
+    """Every module of ``fsdp_core``, its subpackages' included."""
+    found = pkgutil.walk_packages(fsdp_core.__path__, prefix="fsdp_core.")
+    modules = [importlib.import_module(m.name) for m in found]
+    assert len(modules) >= 20 and {"fsdp_core.plan.planner", "fsdp_core.sim.iteration"} <= {m.__name__ for m in modules}
+    return modules
 
 
 def _tables() -> dict[str, MappingProxyType[Any, Any]]:
@@ -411,8 +414,8 @@ def test_no_mutable_module_level_container_in_core() -> None:
 
 
 def test_the_tables_are_found() -> None:
-    assert set(_tables()) >= {"fsdp_core.planner.PLAN_BUILDERS", "fsdp_core.planner._DTYPE_TAGS",
-                              "fsdp_core.timeline._MARKS", "fsdp_core.unshard_verifier._USE"}
+    assert set(_tables()) >= {"fsdp_core.plan.planner.PLAN_BUILDERS", "fsdp_core.plan.planner._DTYPE_TAGS",
+                              "fsdp_core.sim.timeline._MARKS", "fsdp_core.unshard.verifier._USE"}
 
 
 @pytest.mark.parametrize("name", sorted(_tables()))

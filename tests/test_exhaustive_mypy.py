@@ -41,23 +41,23 @@ class Pause:
 UnshardAction = Union[Pause, '''
 
 ACTION_CONSUMERS = {
-    ("fsdp_core/unshard.py", "action_name"),
-    ("fsdp_core/unshard_verifier.py", "act"),
-    ("fsdp_core/timeline.py", "hook_actions"),
+    ("fsdp_core/unshard/schedule.py", "action_name"),
+    ("fsdp_core/unshard/verifier.py", "act"),
+    ("fsdp_core/sim/timeline.py", "hook_actions"),
     ("fsdp_shell/unshard.py", "run"),
-    ("fsdp_core/iteration.py", "hook"),
+    ("fsdp_core/sim/iteration.py", "hook"),
 }
 """Every consumer of ``UnshardAction``."""
 
 OP_CONSUMERS_AT_LEAST = {
-    ("fsdp_core/ops.py", "op_name"),
-    ("fsdp_core/plan.py", "buffers_of"),
-    ("fsdp_core/comm.py", "_volume"),
-    ("fsdp_core/render.py", "describe_op"),
-    ("fsdp_core/render.py", "_op_json"),
-    ("fsdp_core/timeline.py", "_elementwise_bytes"),
-    ("fsdp_core/timeline.py", "run"),
-    ("fsdp_core/verifier.py", "step"),
+    ("fsdp_core/plan/ops.py", "op_name"),
+    ("fsdp_core/plan/request.py", "buffers_of"),
+    ("fsdp_core/plan/comm.py", "_volume"),
+    ("fsdp_core/plan/render.py", "describe_op"),
+    ("fsdp_core/plan/render.py", "_op_json"),
+    ("fsdp_core/sim/timeline.py", "_elementwise_bytes"),
+    ("fsdp_core/sim/timeline.py", "run"),
+    ("fsdp_core/plan/verifier.py", "step"),
     ("fsdp_shell/interpreter.py", "_step"),
     ("fsdp_shell/simulated_world.py", "_execute"),
 }
@@ -106,8 +106,8 @@ def test_mypy_rejects_an_unhandled_op_or_action_everywhere(tmp_path: Path) -> No
     cache = tmp_path / ".mypy_cache"
     if (ROOT / ".mypy_cache").is_dir():
         shutil.copytree(ROOT / ".mypy_cache", cache)  # a warm start; mypy re-checks what changed
-    _inject(tmp_path / "fsdp_core" / "ops.py", "Op = Union[\n", BARRIER)
-    _inject(tmp_path / "fsdp_core" / "unshard.py", "UnshardAction = Union[", PAUSE)
+    _inject(tmp_path / "fsdp_core" / "plan" / "ops.py", "Op = Union[\n", BARRIER)
+    _inject(tmp_path / "fsdp_core" / "unshard" / "schedule.py", "UnshardAction = Union[", PAUSE)
 
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(cache), "--no-error-summary", "fsdp_core", "fsdp_shell"],

@@ -9,11 +9,11 @@ from fractions import Fraction
 
 import pytest
 
-from fsdp_core import (
-    PHASE_MARKS,
+from fsdp_core import BackwardPrefetch, Stream
+from fsdp_core.sim import (
+    ACTIVITY_MARKS,
     SEED_PARAMETERS,
     SEED_ROWS,
-    BackwardPrefetch,
     Collective,
     CollectiveCosts,
     CollectiveSample,
@@ -25,13 +25,12 @@ from fsdp_core import (
     Load,
     MeasuredUnit,
     Measurements,
-    Phase,
+    Activity,
     Schedule,
     SeedParameters,
     SharingSample,
     SimTask,
     SlowdownSample,
-    Stream,
     UnitCosts,
     fit_affine,
     fit_collectives,
@@ -181,93 +180,93 @@ def small(backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD
     return IterationModel(units=(root, *units), backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
 
 
-def at(timeline: IterationTimeline, phase: Phase, unit: int) -> tuple[float, float]:
-    i = timeline.find(phase, unit)
+def at(timeline: IterationTimeline, activity: Activity, unit: int) -> tuple[float, float]:
+    i = timeline.find(activity, unit)
     return (i.start_ms, i.end_ms)
 
 
 def test_hsdp_async_by_hand() -> None:
     t = simulate_iteration(small(), Schedule.HSDP_ASYNC)
     # Forward: no forward prefetch, so each all-gather is issued when the previous forward ends.
-    assert at(t, Phase.FORWARD_ALL_GATHER, 1) == (0, 3) and at(t, Phase.FORWARD, 1) == (3, 4)
-    assert at(t, Phase.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Phase.FORWARD, 2) == (7, 8)
+    assert at(t, Activity.FORWARD_ALL_GATHER, 1) == (0, 3) and at(t, Activity.FORWARD, 1) == (3, 4)
+    assert at(t, Activity.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Activity.FORWARD, 2) == (7, 8)
     # Backward: the root's pre-backward issues u2's all-gather, u2's pre-backward u1's (BACKWARD_PRE).
-    assert at(t, Phase.BACKWARD_ALL_GATHER, 2) == (8, 11)
-    assert at(t, Phase.BACKWARD_ALL_GATHER, 1) == (11, 14)
-    assert at(t, Phase.BACKWARD, 2) == (11, 13)
+    assert at(t, Activity.BACKWARD_ALL_GATHER, 2) == (8, 11)
+    assert at(t, Activity.BACKWARD_ALL_GATHER, 1) == (11, 14)
+    assert at(t, Activity.BACKWARD, 2) == (11, 13)
     # u2's reduce-scatter waits for its backward, and on the shard group for u1's all-gather.
-    assert at(t, Phase.REDUCE_SCATTER, 2) == (14, 17)
-    assert at(t, Phase.ALL_REDUCE, 2) == (17, 37)
-    assert at(t, Phase.BACKWARD, 1) == (14, 16)
-    assert at(t, Phase.REDUCE_SCATTER, 1) == (17, 20)
-    assert at(t, Phase.ALL_REDUCE, 1) == (37, 57)
+    assert at(t, Activity.REDUCE_SCATTER, 2) == (14, 17)
+    assert at(t, Activity.ALL_REDUCE, 2) == (17, 37)
+    assert at(t, Activity.BACKWARD, 1) == (14, 16)
+    assert at(t, Activity.REDUCE_SCATTER, 1) == (17, 20)
+    assert at(t, Activity.ALL_REDUCE, 1) == (37, 57)
     assert t.iteration_ms == 57
-    assert t.find(Phase.ALL_REDUCE, 1).stream is Stream.ALL_REDUCE
-    assert t.find(Phase.ALL_REDUCE, 1).link is INTER and t.find(Phase.REDUCE_SCATTER, 1).link is INTRA
+    assert t.find(Activity.ALL_REDUCE, 1).stream is Stream.ALL_REDUCE
+    assert t.find(Activity.ALL_REDUCE, 1).link is INTER and t.find(Activity.REDUCE_SCATTER, 1).link is INTRA
 
 
 def test_sync_the_next_reduce_scatter_waits_for_the_all_reduce_async_does_not() -> None:
     sync = simulate_iteration(small(), Schedule.HSDP_SYNC)
-    assert at(sync, Phase.ALL_REDUCE, 2) == (17, 37)
-    assert at(sync, Phase.REDUCE_SCATTER, 1) == (37, 40)
-    assert at(sync, Phase.ALL_REDUCE, 1) == (40, 60)
+    assert at(sync, Activity.ALL_REDUCE, 2) == (17, 37)
+    assert at(sync, Activity.REDUCE_SCATTER, 1) == (37, 40)
+    assert at(sync, Activity.ALL_REDUCE, 1) == (40, 60)
     assert sync.iteration_ms == 60
-    assert sync.find(Phase.ALL_REDUCE, 1).stream is Stream.POST_BACKWARD
+    assert sync.find(Activity.ALL_REDUCE, 1).stream is Stream.POST_BACKWARD
     asynchronous = simulate_iteration(small(), Schedule.HSDP_ASYNC)
-    assert asynchronous.find(Phase.REDUCE_SCATTER, 1).start_ms < asynchronous.find(Phase.ALL_REDUCE, 2).end_ms
+    assert asynchronous.find(Activity.REDUCE_SCATTER, 1).start_ms < asynchronous.find(Activity.ALL_REDUCE, 2).end_ms
 
 
 def test_fsdp_by_hand_all_gathers_and_reduce_scatters_take_turns_on_the_shard_group() -> None:
     t = simulate_iteration(small(), Schedule.FSDP)
-    assert at(t, Phase.FORWARD_ALL_GATHER, 1) == (0, 10) and at(t, Phase.FORWARD_ALL_GATHER, 2) == (11, 21)
-    assert at(t, Phase.BACKWARD_ALL_GATHER, 2) == (22, 32)
-    assert at(t, Phase.BACKWARD_ALL_GATHER, 1) == (32, 42)
-    assert at(t, Phase.BACKWARD, 2) == (32, 34)
-    assert at(t, Phase.REDUCE_SCATTER, 2) == (42, 52)
-    assert at(t, Phase.BACKWARD, 1) == (42, 44)
-    assert at(t, Phase.REDUCE_SCATTER, 1) == (52, 62)
+    assert at(t, Activity.FORWARD_ALL_GATHER, 1) == (0, 10) and at(t, Activity.FORWARD_ALL_GATHER, 2) == (11, 21)
+    assert at(t, Activity.BACKWARD_ALL_GATHER, 2) == (22, 32)
+    assert at(t, Activity.BACKWARD_ALL_GATHER, 1) == (32, 42)
+    assert at(t, Activity.BACKWARD, 2) == (32, 34)
+    assert at(t, Activity.REDUCE_SCATTER, 2) == (42, 52)
+    assert at(t, Activity.BACKWARD, 1) == (42, 44)
+    assert at(t, Activity.REDUCE_SCATTER, 1) == (52, 62)
     assert t.iteration_ms == 62
-    assert not any(i.phase is Phase.ALL_REDUCE for i in t.intervals)
-    assert {i.link for i in t.intervals if i.phase.is_collective} == {INTER}
+    assert not any(i.activity is Activity.ALL_REDUCE for i in t.intervals)
+    assert {i.link for i in t.intervals if i.activity.is_collective} == {INTER}
 
 
 def test_fsdp_with_concurrent_collectives_shares_the_inter_node_link() -> None:
     shared = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False))
     # u2's reduce-scatter starts when u2's backward ends (34); u1's all-gather has 8 ms left: both
     # at half speed until it ends at 50; the reduce-scatter's last 2 ms alone: 52.
-    assert at(shared, Phase.REDUCE_SCATTER, 2) == (34, 52)
-    assert at(shared, Phase.BACKWARD_ALL_GATHER, 1) == (32, 50)
-    assert at(shared, Phase.BACKWARD, 1) == (50, 52)
+    assert at(shared, Activity.REDUCE_SCATTER, 2) == (34, 52)
+    assert at(shared, Activity.BACKWARD_ALL_GATHER, 1) == (32, 50)
+    assert at(shared, Activity.BACKWARD, 1) == (50, 52)
     assert shared.iteration_ms == 62  # ideal sharing loses nothing
     lossy = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False, contention=2))
     # Shared, each at a quarter: the all-gather's 8 ms end at 66, the reduce-scatter's 2 left at 68.
-    assert at(lossy, Phase.BACKWARD_ALL_GATHER, 1) == (32, 66)
-    assert at(lossy, Phase.REDUCE_SCATTER, 2) == (34, 68)
+    assert at(lossy, Activity.BACKWARD_ALL_GATHER, 1) == (32, 66)
+    assert at(lossy, Activity.REDUCE_SCATTER, 2) == (34, 68)
     assert lossy.iteration_ms == 78
 
 
 def test_hsdp_async_cross_link_slowdown_by_hand() -> None:
     t = simulate_iteration(small(), Schedule.HSDP_ASYNC, LinkModel(cross_link_slowdown=2))
     # u2's reduce-scatter (14-17) ends before any all-reduce starts: as without the slowdown.
-    assert at(t, Phase.REDUCE_SCATTER, 2) == (14, 17) and at(t, Phase.ALL_REDUCE, 2) == (17, 37)
+    assert at(t, Activity.REDUCE_SCATTER, 2) == (14, 17) and at(t, Activity.ALL_REDUCE, 2) == (17, 37)
     # u1's reduce-scatter runs beside u2's all-reduce: its 3 ms at half speed.
-    assert at(t, Phase.REDUCE_SCATTER, 1) == (17, 23)
+    assert at(t, Activity.REDUCE_SCATTER, 1) == (17, 23)
     # The all-reduces are not slowed, and u1's still waits for u2's on its stream.
-    assert at(t, Phase.ALL_REDUCE, 1) == (37, 57) and t.iteration_ms == 57
+    assert at(t, Activity.ALL_REDUCE, 1) == (37, 57) and t.iteration_ms == 57
 
 
 def test_hsdp_async_compute_slowdown_by_hand() -> None:
     intra = LinkModel(compute_slowdown=ComputeSlowdown(all_gather_intra=2, reduce_scatter_intra=2))
     t = simulate_iteration(small(), Schedule.HSDP_ASYNC, intra)
     # Forward: every all-gather runs while no compute does.
-    assert at(t, Phase.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Phase.BACKWARD_ALL_GATHER, 2) == (8, 11)
+    assert at(t, Activity.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Activity.BACKWARD_ALL_GATHER, 2) == (8, 11)
     # u1's prefetch beside u2's backward (11-13) at half speed (1 ms of work), then 2 ms alone: 15.
-    assert at(t, Phase.BACKWARD, 2) == (11, 13) and at(t, Phase.BACKWARD_ALL_GATHER, 1) == (11, 15)
+    assert at(t, Activity.BACKWARD, 2) == (11, 13) and at(t, Activity.BACKWARD_ALL_GATHER, 1) == (11, 15)
     # u2's reduce-scatter after it on the shard group, beside u1's backward (15-17) at half speed
     # (1 ms), then 2 ms alone: 19. The all-reduces are inter-node: not slowed.
-    assert at(t, Phase.BACKWARD, 1) == (15, 17) and at(t, Phase.REDUCE_SCATTER, 2) == (15, 19)
-    assert at(t, Phase.ALL_REDUCE, 2) == (19, 39) and at(t, Phase.REDUCE_SCATTER, 1) == (19, 22)
-    assert at(t, Phase.ALL_REDUCE, 1) == (39, 59) and t.iteration_ms == 59
+    assert at(t, Activity.BACKWARD, 1) == (15, 17) and at(t, Activity.REDUCE_SCATTER, 2) == (15, 19)
+    assert at(t, Activity.ALL_REDUCE, 2) == (19, 39) and at(t, Activity.REDUCE_SCATTER, 1) == (19, 22)
+    assert at(t, Activity.ALL_REDUCE, 1) == (39, 59) and t.iteration_ms == 59
     # Inter-node collectives only (FSDP): the intra-node factors change nothing.
     assert simulate_iteration(small(), Schedule.FSDP, intra) == \
         dataclasses.replace(simulate_iteration(small(), Schedule.FSDP), links=intra)
@@ -281,34 +280,34 @@ def test_fsdp_compute_slowdown_by_hand() -> None:
     t = simulate_iteration(small(), Schedule.FSDP, LinkModel(compute_slowdown=ComputeSlowdown(all_gather_inter=2)))
     # u1's backward all-gather (32-42 unslowed) runs beside u2's backward (32-34) at half speed:
     # 1 ms of work, the other 9 alone: 32-43. Reduce-scatters are not slowed.
-    assert at(t, Phase.BACKWARD_ALL_GATHER, 1) == (32, 43)
-    assert at(t, Phase.REDUCE_SCATTER, 2) == (43, 53) and at(t, Phase.BACKWARD, 1) == (43, 45)
-    assert at(t, Phase.REDUCE_SCATTER, 1) == (53, 63) and t.iteration_ms == 63
+    assert at(t, Activity.BACKWARD_ALL_GATHER, 1) == (32, 43)
+    assert at(t, Activity.REDUCE_SCATTER, 2) == (43, 53) and at(t, Activity.BACKWARD, 1) == (43, 45)
+    assert at(t, Activity.REDUCE_SCATTER, 1) == (53, 63) and t.iteration_ms == 63
 
 
 def test_backward_pre_prefetch_overlaps_the_next_all_gather_with_backward() -> None:
     pre = simulate_iteration(small(), Schedule.FSDP)
-    assert pre.find(Phase.BACKWARD_ALL_GATHER, 1).start_ms < pre.find(Phase.BACKWARD, 2).end_ms
+    assert pre.find(Activity.BACKWARD_ALL_GATHER, 1).start_ms < pre.find(Activity.BACKWARD, 2).end_ms
     none = simulate_iteration(small(backward_prefetch=None), Schedule.FSDP)
     # Each unit gathers in its own pre-backward: u1's all-gather is issued when u2's backward
     # ends (34) and queues behind u2's reduce-scatter on the shard group.
-    assert at(none, Phase.BACKWARD_ALL_GATHER, 2) == (22, 32)
-    assert at(none, Phase.REDUCE_SCATTER, 2) == (34, 44)
-    assert at(none, Phase.BACKWARD_ALL_GATHER, 1) == (44, 54)
+    assert at(none, Activity.BACKWARD_ALL_GATHER, 2) == (22, 32)
+    assert at(none, Activity.REDUCE_SCATTER, 2) == (34, 44)
+    assert at(none, Activity.BACKWARD_ALL_GATHER, 1) == (44, 54)
     assert none.iteration_ms == 66 > pre.iteration_ms
 
 
 def test_backward_post_prefetches_before_the_reduce_scatter_as_fsdp1() -> None:
     post = simulate_iteration(small(backward_prefetch=BackwardPrefetch.BACKWARD_POST), Schedule.FSDP)
-    assert at(post, Phase.BACKWARD_ALL_GATHER, 1) == (34, 44)
-    assert at(post, Phase.REDUCE_SCATTER, 2) == (44, 54)
+    assert at(post, Activity.BACKWARD_ALL_GATHER, 1) == (34, 44)
+    assert at(post, Activity.REDUCE_SCATTER, 2) == (44, 54)
     assert post.iteration_ms == 64
 
 
 def test_forward_prefetch_issues_the_next_all_gather_before_the_forward() -> None:
     t = simulate_iteration(small(forward_prefetch=True), Schedule.FSDP)
-    assert at(t, Phase.FORWARD_ALL_GATHER, 2) == (10, 20)
-    assert at(t, Phase.FORWARD, 1) == (10, 11) and at(t, Phase.FORWARD, 2) == (20, 21)
+    assert at(t, Activity.FORWARD_ALL_GATHER, 2) == (10, 20)
+    assert at(t, Activity.FORWARD, 1) == (10, 11) and at(t, Activity.FORWARD, 2) == (20, 21)
 
 
 def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> None:
@@ -339,7 +338,7 @@ def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> N
         (lambda: ComputeSlowdown(all_reduce_inter=True), ValueError, "all_reduce_inter"),
         (lambda: ComputeSlowdown(reduce_scatter_inter=0.5), ValueError, "reduce_scatter_inter"),
         (lambda: LinkModel(compute_slowdown=2.0), TypeError, "compute_slowdown"),  # type: ignore[arg-type]
-        (lambda: ComputeSlowdown().of(Phase.FORWARD, INTRA), ValueError, "collective"),
+        (lambda: ComputeSlowdown().of(Activity.FORWARD, INTRA), ValueError, "collective"),
         (lambda: Schedule.parse("ddp"), ValueError, "schedule"),
     ],
 )
@@ -591,5 +590,5 @@ def test_iteration_to_trace() -> None:
     assert all(isinstance(e["args"], dict) and e["args"]["active"] in (0, 1) for e in counters)
 
 
-def test_phase_marks_cover_every_phase() -> None:
-    assert set(PHASE_MARKS) == set(Phase) and len(set(PHASE_MARKS.values())) == len(Phase)
+def test_activity_marks_cover_every_activity() -> None:
+    assert set(ACTIVITY_MARKS) == set(Activity) and len(set(ACTIVITY_MARKS.values())) == len(Activity)

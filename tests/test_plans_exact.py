@@ -46,7 +46,7 @@ from fsdp_core import (
     comm_volume,
     plan_post_backward,
 )
-from fsdp_core.layout import FlatParamLayout
+from fsdp_core.spec.layout import FlatParamLayout
 
 F32, BF16 = torch.float32, torch.bfloat16
 C, PB, AR = Stream.COMPUTE, Stream.POST_BACKWARD, Stream.ALL_REDUCE

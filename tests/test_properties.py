@@ -59,7 +59,7 @@ from fsdp_core import (
     plan_post_backward,
     step_flags,
 )
-from fsdp_core.verifier import expected_destination
+from fsdp_core.plan.verifier import expected_destination
 
 settings.register_profile(
     "fsdp-ci",
@@ -547,7 +547,7 @@ def test_carried_state_threads_through_any_sequence_of_backwards(sequence: tuple
         carried = after
 
 
-# -- fsdp_core.division, by hand -----------------------------------------------------------
+# -- fsdp_core.spec.division, by hand -----------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_core import format_seed_table, seed_calibration
+from fsdp_core.sim import format_seed_table, seed_calibration
 from fsdp_shell.sim_cli import main
 
 

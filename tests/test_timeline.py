@@ -8,22 +8,19 @@ import torch
 
 from fsdp_core import (
     BackwardPrefetch,
-    CostModel,
     FlatParamLayout,
     Group,
     MixedPrecision,
     ShardingSpec,
     ShardingStrategy,
     Stream,
-    TimelineEntry,
     UnshardRequest,
     UnshardSchedule,
     all_gather_volume,
-    format_timeline,
     plan_post_backward,
     plan_unshard,
-    simulate_timeline,
 )
+from fsdp_core.sim import CostModel, TimelineEntry, format_timeline, simulate_timeline
 
 LAYOUT = FlatParamLayout.of([("w", (8_000_000,))], torch.float32)
 COST = CostModel(device_bandwidth=1e12, shard_link_bandwidth=1e11, replicate_link_bandwidth=1e10,

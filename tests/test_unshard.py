@@ -19,7 +19,7 @@ from fsdp_core import (
     Reshard,
     Rule,
     UnshardAction,
-    UnshardEvent,
+    Event,
     UnshardRequest,
     UnshardSchedule,
     UnshardStep,
@@ -28,7 +28,7 @@ from fsdp_core import (
     plan_unshard,
 )
 
-E = UnshardEvent
+E = Event
 PRE, POST = BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST
 
 
@@ -44,7 +44,7 @@ def r(u: int) -> Reshard:
     return Reshard(unit=u)
 
 
-Row = tuple[UnshardEvent, int, tuple[UnshardAction, ...]]
+Row = tuple[Event, int, tuple[UnshardAction, ...]]
 
 
 def chain(raf: bool = True, rab: bool = True, prefetch: BackwardPrefetch | None = PRE,
@@ -228,7 +228,7 @@ def test_prefetch_targets_only_units_that_need_gathering() -> None:
 # -- the checker: one broken variant of the sound BACKWARD_PRE chain per rule ----------------------
 
 
-def broken(changes: dict[tuple[UnshardEvent, int], tuple[UnshardAction, ...]],
+def broken(changes: dict[tuple[Event, int], tuple[UnshardAction, ...]],
            request_: UnshardRequest | None = None) -> list[tuple[Rule, int]]:
     base = plan_unshard(request_ or chain())
     steps = tuple(replace(s, actions=changes.get((s.event, s.unit), s.actions)) for s in base.steps)

@@ -848,7 +848,7 @@ def test_full_shard_plan_that_never_reshards() -> None:
 def test_verifying_cache_checks_each_plan_once_and_refuses_unsound_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the shell consults on every backward: a miss builds and verifies, a hit returns the
     same plan; a plan the verifier rejects raises with its problems instead of being returned."""
-    import fsdp_core.planner as planner
+    import fsdp_core.plan.planner as planner
 
     plan = make_plan(HYBRID)
     cache = PlanCache(verify=True)

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tqdm import tqdm
 
 from fsdp_core import CommHook, CPUOffload, Group, MixedPrecision, ShardingStrategy
-from fsdp_core.comm import ring_bytes
+from fsdp_core.plan.comm import ring_bytes
 from fsdp_shell import comm_hooks
 from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_shell.demo.data import Corpus, load_corpus

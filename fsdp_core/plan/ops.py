@@ -14,9 +14,9 @@ from typing import Union
 import torch
 from typing_extensions import assert_never
 
-from fsdp_core.config import CommHook
-from fsdp_core.division import ReduceOpSpec
-from fsdp_core.layout import ShardView
+from fsdp_core.spec.config import CommHook
+from fsdp_core.spec.division import ReduceOpSpec
+from fsdp_core.spec.layout import ShardView
 
 __all__ = [
     "Accumulate",
@@ -57,7 +57,7 @@ class Stream(enum.Enum):
     ALL_GATHER = "all_gather"
     """FSDP's unshard stream: all-gathers of flat parameters (CUDA: a stream of its own; CPU:
     asynchronous gloo work). Post-backward plans do not use it; the all-gather schedule
-    (``fsdp_core.unshard``) does."""
+    (``fsdp_core.unshard.schedule``) does."""
 
 
 class Group(enum.Enum):

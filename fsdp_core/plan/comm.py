@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from typing_extensions import assert_never
 
-from fsdp_core.config import CommHook
-from fsdp_core.layout import ceil_div
-from fsdp_core.ops import (
+from fsdp_core.spec.config import CommHook
+from fsdp_core.spec.layout import ceil_div
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Cast,
@@ -37,7 +37,7 @@ from fsdp_core.ops import (
     WaitStream,
     op_name,
 )
-from fsdp_core.plan import Plan, PlanRequest
+from fsdp_core.plan.request import Plan, PlanRequest
 
 __all__ = ["CommVolume", "all_gather_volume", "comm_volume", "ring_bytes"]
 

@@ -28,7 +28,7 @@ Timing rules:
   ProcessGroupNCCL runs a group's collectives on one internal stream, in the order the host
   issued them, whatever CUDA stream issued them; so FSDP1's all-gathers and reduce-scatters (one
   shard group) never run at the same time, while the replicate all-reduce (another group) does.
-- *Links* (``fsdp_core.link_sim``): FSDP's shard group spans nodes, so its all-gathers and
+- *Links* (``fsdp_core.sim.links``): FSDP's shard group spans nodes, so its all-gathers and
   reduce-scatters use ``Link.INTER_NODE``; HSDP's shard group is one node (``Link.INTRA_NODE``);
   the replicate group spans nodes. A collective's work is its cost measured alone on its link;
   collectives active on one link at once share it (processor sharing with ``contention``).
@@ -50,10 +50,12 @@ from fractions import Fraction
 
 from typing_extensions import assert_never
 
-from fsdp_core.config import BackwardPrefetch, parse_member
-from fsdp_core.link_sim import Link, SimTask, run_tasks
-from fsdp_core.ops import Group, Stream
-from fsdp_core.unshard import AwaitGather, Gather, Reshard, UnshardEvent, UnshardRequest, plan_unshard
+from fsdp_core.plan.planner import all_reduce_stream
+from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, parse_member
+from fsdp_core.sim.links import Link, SimTask, run_tasks
+from fsdp_core.plan.ops import Group, Stream
+from fsdp_core.spec.events import Event
+from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardRequest, plan_unshard
 
 __all__ = [
     "CollectiveCosts",
@@ -62,7 +64,7 @@ __all__ = [
     "IterationModel",
     "IterationTimeline",
     "LinkModel",
-    "Phase",
+    "Activity",
     "Schedule",
     "UnitCosts",
     "simulate_iteration",
@@ -87,6 +89,20 @@ class Schedule(enum.Enum):
         return self is not Schedule.FSDP
 
     @property
+    def placement(self) -> HybridAllReduce | None:
+        """Where the planner puts the replicate all-reduce (None: there is none); the simulation
+        takes its stream from the planner (``all_reduce_stream``), as the plans that run do."""
+        match self:
+            case Schedule.FSDP:
+                return None
+            case Schedule.HSDP_SYNC:
+                return HybridAllReduce.SYNC
+            case Schedule.HSDP_ASYNC:
+                return HybridAllReduce.ASYNC
+            case _:
+                assert_never(self)
+
+    @property
     def shard_link(self) -> Link:
         """The link the shard group's all-gathers and reduce-scatters use."""
         return Link.INTER_NODE if self is Schedule.FSDP else Link.INTRA_NODE
@@ -97,8 +113,8 @@ class Schedule(enum.Enum):
         return parse_member(cls, name, argument="schedule", noun="schedule")
 
 
-class Phase(enum.Enum):
-    """What an interval of the timeline is."""
+class Activity(enum.Enum):
+    """What an interval of the simulated timeline is doing."""
 
     FORWARD_ALL_GATHER = "forward_all_gather"
     FORWARD = "forward"
@@ -109,8 +125,8 @@ class Phase(enum.Enum):
 
     @property
     def is_collective(self) -> bool:
-        """Whether the phase is a transfer (not compute)."""
-        return self not in (Phase.FORWARD, Phase.BACKWARD)
+        """Whether the activity is a transfer (not compute)."""
+        return self not in (Activity.FORWARD, Activity.BACKWARD)
 
 
 def _check_ms(owner: str, name: str, value: object) -> None:
@@ -194,11 +210,11 @@ class IterationModel:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ComputeSlowdown:
     """How many times slower each collective progresses while the compute stream is busy
-    (``fsdp_core.link_sim``), named as ``CollectiveCosts``' costs: ``*_intra`` over a shard group
+    (``fsdp_core.sim.links``), named as ``CollectiveCosts``' costs: ``*_intra`` over a shard group
     inside one node, ``*_inter`` over a group that spans nodes. Each >= 1; 1 (the default):
     compute does not slow it, as on GPUs, where NCCL's kernels take few SMs. Above 1 where ranks
     share processor cores with their communication; measured by timing the collective alone and
-    while every rank computes (``fsdp_core.calibration.links_from_measurements``)."""
+    while every rank computes (``fsdp_core.sim.calibration.links_from_measurements``)."""
 
     all_gather_intra: float = 1.0
     all_gather_inter: float = 1.0
@@ -213,20 +229,20 @@ class ComputeSlowdown:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < math.inf:
                 raise ValueError(f"ComputeSlowdown.{name}: expected a finite number >= 1, got {value!r}")
 
-    def of(self, phase: Phase, link: Link) -> float:
-        """The factor of a collective ``phase`` on ``link`` (an all-reduce uses the inter-node one)."""
+    def of(self, activity: Activity, link: Link) -> float:
+        """The factor of a collective ``activity`` on ``link`` (an all-reduce uses the inter-node one)."""
         inter = link is Link.INTER_NODE
-        match phase:
-            case Phase.FORWARD_ALL_GATHER | Phase.BACKWARD_ALL_GATHER:
+        match activity:
+            case Activity.FORWARD_ALL_GATHER | Activity.BACKWARD_ALL_GATHER:
                 return self.all_gather_inter if inter else self.all_gather_intra
-            case Phase.REDUCE_SCATTER:
+            case Activity.REDUCE_SCATTER:
                 return self.reduce_scatter_inter if inter else self.reduce_scatter_intra
-            case Phase.ALL_REDUCE:
+            case Activity.ALL_REDUCE:
                 return self.all_reduce_inter
-            case Phase.FORWARD | Phase.BACKWARD:
-                raise ValueError(f"phase: expected a collective, got {phase.value}")
+            case Activity.FORWARD | Activity.BACKWARD:
+                raise ValueError(f"activity: expected a collective, got {activity.value}")
             case _:
-                assert_never(phase)
+                assert_never(activity)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -249,10 +265,10 @@ class LinkModel:
     threads run a group's asynchronous collectives side by side)."""
     cross_link_slowdown: float = 1.0
     """While any collective is active on the inter-node link, each intra-node one progresses this
-    many times slower (``fsdp_core.link_sim``). 1: the links are independent, as NVLink and the
+    many times slower (``fsdp_core.sim.links``). 1: the links are independent, as NVLink and the
     network are. Above 1 where intra-node collectives are the processor's work and an inter-node
     one takes some of it; measured by timing an intra-node collective alone and beside an
-    inter-node all-reduce (``fsdp_core.calibration.links_from_measurements``). Must be >= 1."""
+    inter-node all-reduce (``fsdp_core.sim.calibration.links_from_measurements``). Must be >= 1."""
     compute_slowdown: ComputeSlowdown = ComputeSlowdown()
     """How much each collective is slowed while the compute stream is busy; all 1 by default."""
 
@@ -278,7 +294,7 @@ class Interval:
     """The unit's index in ``IterationModel.units``."""
     name: str
     """The unit's name."""
-    phase: Phase
+    activity: Activity
     stream: Stream
     group: Group | None
     """The process group of a collective; None for compute."""
@@ -303,12 +319,12 @@ class IterationTimeline:
     iteration_ms: float
     """When the last task ends (the end-of-backward wait), in ms from the first hook."""
 
-    def find(self, phase: Phase, unit: int) -> Interval:
-        """The interval of ``phase`` for ``unit``; ``KeyError`` if it has none."""
+    def find(self, activity: Activity, unit: int) -> Interval:
+        """The interval of ``activity`` for ``unit``; ``KeyError`` if it has none."""
         for interval in self.intervals:
-            if interval.phase is phase and interval.unit == unit:
+            if interval.activity is activity and interval.unit == unit:
                 return interval
-        raise KeyError(f"no {phase.value} interval for unit {unit}")
+        raise KeyError(f"no {activity.value} interval for unit {unit}")
 
     def on(self, stream: Stream) -> tuple[Interval, ...]:
         """The intervals of ``stream``, in the order they ran."""
@@ -318,13 +334,13 @@ class IterationTimeline:
 @dataclass(frozen=True, slots=True)
 class _Label:
     unit: int
-    phase: Phase
+    activity: Activity
     stream: Stream
     group: Group | None
     link: Link | None
 
 
-_BACKWARD_EVENTS = (UnshardEvent.PRE_BACKWARD, UnshardEvent.POST_BACKWARD)
+_BACKWARD_EVENTS = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
 
 
 def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple[list[SimTask], list[_Label]]:
@@ -341,7 +357,7 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
     gathered: dict[int, int] = {}  # unit -> its all-gather task, while gathered or in flight
     awaited: list[int] = []  # all-gathers the next compute task waits for
 
-    def add(unit: int, phase: Phase, stream: Stream, ms: float, *, group: Group | None = None,
+    def add(unit: int, activity: Activity, stream: Stream, ms: float, *, group: Group | None = None,
             link: Link | None = None, after: tuple[int, ...] = ()) -> int:
         deps = set(after)
         if stream in last_on:
@@ -351,27 +367,27 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
         if group is not None and links.one_collective_per_group and group in last_in:
             deps.add(last_in[group])
         index = len(tasks)
-        slowdown = Fraction(1) if link is None else Fraction(links.compute_slowdown.of(phase, link))
+        slowdown = Fraction(1) if link is None else Fraction(links.compute_slowdown.of(activity, link))
         tasks.append(SimTask(after=tuple(sorted(deps)), work=Fraction(ms), link=link, compute_slowdown=slowdown))
-        labels.append(_Label(unit=unit, phase=phase, stream=stream, group=group, link=link))
+        labels.append(_Label(unit=unit, activity=activity, stream=stream, group=group, link=link))
         last_on[stream] = index
         if group is not None:
             last_in[group] = index
         return index
 
-    def compute(unit: int, phase: Phase, ms: float) -> int:
-        index = add(unit, phase, Stream.COMPUTE, ms, after=tuple(awaited))
+    def compute(unit: int, activity: Activity, ms: float) -> int:
+        index = add(unit, activity, Stream.COMPUTE, ms, after=tuple(awaited))
         awaited.clear()
         return index
 
-    def hook(event: UnshardEvent, unit: int) -> None:
-        phase = Phase.BACKWARD_ALL_GATHER if event in _BACKWARD_EVENTS else Phase.FORWARD_ALL_GATHER
+    def hook(event: Event, unit: int) -> None:
+        activity = Activity.BACKWARD_ALL_GATHER if event in _BACKWARD_EVENTS else Activity.FORWARD_ALL_GATHER
         for action in actions.actions(event, unit):
             match action:
                 case Gather():
                     if action.unit not in gathered:
                         cost = model.units[action.unit].collectives.all_gather_ms(shard_link)
-                        gathered[action.unit] = add(action.unit, phase, Stream.ALL_GATHER, cost,
+                        gathered[action.unit] = add(action.unit, activity, Stream.ALL_GATHER, cost,
                                                     group=Group.SHARD, link=shard_link)
                 case AwaitGather():
                     if action.unit in gathered:
@@ -384,27 +400,29 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
     for event, unit in request.events:
         costs = model.units[unit]
         match event:
-            case UnshardEvent.PRE_FORWARD:
+            case Event.PRE_FORWARD:
                 hook(event, unit)
-                compute(unit, Phase.FORWARD, costs.forward_ms)
-            case UnshardEvent.POST_FORWARD:
+                compute(unit, Activity.FORWARD, costs.forward_ms)
+            case Event.POST_FORWARD:
                 hook(event, unit)
-            case UnshardEvent.PRE_BACKWARD:
+            case Event.PRE_BACKWARD:
                 hook(event, unit)
                 if unit != request.root:
-                    compute(unit, Phase.BACKWARD, costs.backward_ms)
-            case UnshardEvent.POST_BACKWARD:
-                backward = (compute(unit, Phase.BACKWARD, costs.backward_ms) if unit == request.root
+                    compute(unit, Activity.BACKWARD, costs.backward_ms)
+            case Event.POST_BACKWARD:
+                backward = (compute(unit, Activity.BACKWARD, costs.backward_ms) if unit == request.root
                             else last_on[Stream.COMPUTE])
                 hook(event, unit)
                 gathered.pop(unit, None)  # the post-backward plan reshards
-                rs = add(unit, Phase.REDUCE_SCATTER, Stream.POST_BACKWARD,
+                rs = add(unit, Activity.REDUCE_SCATTER, Stream.POST_BACKWARD,
                          costs.collectives.reduce_scatter_ms(shard_link), group=Group.SHARD, link=shard_link,
                          after=(backward,))
-                if schedule.is_hybrid:
-                    stream = Stream.POST_BACKWARD if schedule is Schedule.HSDP_SYNC else Stream.ALL_REDUCE
-                    add(unit, Phase.ALL_REDUCE, stream, costs.collectives.all_reduce_inter_ms,
+                if schedule.placement is not None:
+                    stream = all_reduce_stream(schedule.placement)
+                    add(unit, Activity.ALL_REDUCE, stream, costs.collectives.all_reduce_inter_ms,
                         group=Group.REPLICATE, link=Link.INTER_NODE, after=(rs,))
+            case Event.END_FORWARD | Event.END_BACKWARD:
+                pass
             case _:
                 assert_never(event)
     return tasks, labels
@@ -428,7 +446,7 @@ def simulate_iteration(model: IterationModel, schedule: Schedule, links: LinkMod
     times = run_tasks(tasks, capacity=capacity, contention=Fraction(links.contention),
                       cross_link_slowdown=Fraction(links.cross_link_slowdown))
     intervals = tuple(
-        Interval(unit=label.unit, name=model.units[label.unit].name, phase=label.phase, stream=label.stream,
+        Interval(unit=label.unit, name=model.units[label.unit].name, activity=label.activity, stream=label.stream,
                  group=label.group, link=label.link, start_ms=float(start), end_ms=float(end))
         for label, (start, end) in zip(labels, times)
     )

@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-from fsdp_core.config import FLOAT_DTYPES, ShardingStrategy
+from fsdp_core.spec.config import FLOAT_DTYPES, ShardingStrategy
 
 __all__ = [
     "FlatParamLayout",

@@ -14,14 +14,12 @@ import enum
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from typing_extensions import assert_never
 
-from fsdp_core.config import ShardingStrategy
-from fsdp_core.layout import ShardView, unsharded_views
-from fsdp_core.ops import (
+from fsdp_core.spec.layout import ShardView, unsharded_views
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Buffer,
@@ -47,55 +45,10 @@ from fsdp_core.ops import (
     WaitStream,
     op_name,
 )
-from fsdp_core.plan import Plan, PlanRequest
+from fsdp_core.plan.request import Plan, PlanRequest
+from fsdp_core.problems import Problem, Rule
 
-__all__ = ["Problem", "Rule", "check_plan", "expected_destination"]
-
-
-class Rule(enum.Enum):
-    """The class of a problem the verifiers report: ``check_plan`` (post-backward plans) and,
-    from ``UNGATHERED_USE`` on, ``check_unshard`` (all-gather schedules)."""
-
-    USE_BEFORE_WRITE = "use_before_write"
-    USE_AFTER_FREE = "use_after_free"
-    REDEFINED = "redefined"
-    UNSYNCED_STREAM = "unsynced_stream"
-    UNSAFE_REUSE = "unsafe_reuse"
-    DTYPE_MISMATCH = "dtype_mismatch"
-    NUMEL_MISMATCH = "numel_mismatch"
-    DEVICE_MISMATCH = "device_mismatch"
-    REDUCTION = "reduction"
-    DIVISION = "division"
-    DROPPED_GRADIENT = "dropped_gradient"
-    LEAK = "leak"
-    HAND_OFF = "hand_off"
-    VIEWS = "views"
-    RESHARD = "reshard"
-    UNGATHERED_USE = "ungathered_use"
-    DOUBLE_GATHER = "double_gather"
-    UNSAFE_RESHARD = "unsafe_reshard"
-    PREFETCH_DEPTH = "prefetch_depth"
-    UNAWAITED_GATHER = "unawaited_gather"
-    UNUSED_GATHER = "unused_gather"
-    FORWARD_RESHARD = "forward_reshard"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Problem:
-    """One finding: which rule, where (-1 for the whole), and why."""
-
-    rule: Rule
-    op_index: int
-    """The plan op, or with ``site="event"`` the hook in ``UnshardRequest.events``; -1 for the
-    plan (or the iteration) as a whole."""
-    message: str
-    site: Literal["op", "event"] = "op"
-    """What ``op_index`` counts: plan ops (``check_plan``) or hook events (``check_unshard``)."""
-
-    def __str__(self) -> str:
-        whole = "plan" if self.site == "op" else "iteration"
-        where = whole if self.op_index < 0 else f"{self.site} {self.op_index}"
-        return f"[{self.rule.value}] {where}: {self.message}"
+__all__ = ["check_plan", "expected_destination"]
 
 
 class Coverage(enum.Enum):
@@ -163,14 +116,11 @@ def expected_destination(r: PlanRequest) -> Destination:
 
 def _expect(r: PlanRequest) -> _Expect:
     f = r.flags
-    strategy = r.sharding.strategy
     dest = expected_destination(r)
     total = r.layout.total_numel
     shard = -(-total // r.sharding.num_shards)
     compute = r.layout.dtype if (f.force_full_precision or r.mixed_precision.param_dtype is None) else r.mixed_precision.param_dtype
-    reshards = strategy.is_sharded and (
-        f.sync_gradients or strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    )
+    reshards = r.should_free_in_backward
     buffers: dict[InputRole, tuple[int, torch.dtype, Device]] = {
         InputRole.GRAD: (total, compute, Device.DEVICE),
         InputRole.PENDING_UNSHARDED: (total, compute, Device.DEVICE),

@@ -28,7 +28,7 @@ such event to the next.
 
 Arithmetic is in ``fractions.Fraction``: times are exact, simultaneous ends are detected exactly,
 and equal inputs give equal outputs on every machine. Nothing here knows about FSDP; the
-iteration simulator (``fsdp_core.iteration``) builds the tasks.
+iteration simulator (``fsdp_core.sim.iteration``) builds the tasks.
 """
 
 from __future__ import annotations

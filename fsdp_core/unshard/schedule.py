@@ -4,50 +4,33 @@ The shell records, on the first iteration, the order in which units run forward 
 which their pre-backward hooks fire. ``plan_unshard`` turns that record into an
 ``UnshardSchedule``: for every (hook event, unit) the actions to run there, with FSDP1's
 ``backward_prefetch`` and ``forward_prefetch`` semantics. ``check_unshard``
-(``fsdp_core.unshard_verifier``) proves a schedule sound by simulating one iteration. Units the
+(``fsdp_core.unshard.verifier``) proves a schedule sound by simulating one iteration. Units the
 record does not cover get the on-demand actions (gather and wait right before use), which are
 always safe.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Union
+from typing import Mapping, Union
 
 from typing_extensions import assert_never
 
-from fsdp_core.config import BackwardPrefetch
+from fsdp_core.spec.config import BackwardPrefetch
+from fsdp_core.spec.events import Event, HookEvent
 
 __all__ = [
     "AwaitGather",
     "Gather",
-    "HookEvent",
     "Reshard",
     "UnshardAction",
-    "UnshardEvent",
     "UnshardRequest",
     "UnshardSchedule",
     "UnshardStep",
     "action_name",
     "plan_unshard",
 ]
-
-
-class UnshardEvent(enum.Enum):
-    """The hooks at which the shell asks the schedule what to do, for one unit."""
-
-    PRE_FORWARD = "pre_forward"
-    """Before the unit's forward: its parameters must be gathered when the actions return."""
-    POST_FORWARD = "post_forward"
-    """After the unit's forward."""
-    PRE_BACKWARD = "pre_backward"
-    """The unit's pre-backward hook (on its forward outputs): its parameters must be gathered when
-    the actions return."""
-    POST_BACKWARD = "post_backward"
-    """The unit's post-backward hook, after the post-backward plan's ops (which reshard when
-    ``reshard_after_backward``)."""
 
 
 def _check_unit(what: str, unit: object) -> None:
@@ -105,13 +88,6 @@ def action_name(action: UnshardAction) -> str:
             return "reshard"
         case _:
             assert_never(action)
-
-
-class HookEvent(NamedTuple):
-    """One hook firing: ``event`` for ``unit``."""
-
-    event: UnshardEvent
-    unit: int
 
 
 def _check_order(name: str, order: object, units: int) -> None:
@@ -198,8 +174,8 @@ class UnshardRequest:
         ``backward_order``, each unit's post-backward right after its pre-backward except the
         root's, which comes last."""
         out: list[HookEvent] = []
-        for pre, post, order in ((UnshardEvent.PRE_FORWARD, UnshardEvent.POST_FORWARD, self.forward_order),
-                                 (UnshardEvent.PRE_BACKWARD, UnshardEvent.POST_BACKWARD, self.backward_order)):
+        for pre, post, order in ((Event.PRE_FORWARD, Event.POST_FORWARD, self.forward_order),
+                                 (Event.PRE_BACKWARD, Event.POST_BACKWARD, self.backward_order)):
             for unit in order:
                 out.append(HookEvent(pre, unit))
                 if unit != self.root:
@@ -214,15 +190,15 @@ class UnshardRequest:
         root or do not reshard after forward."""
         return frozenset(u for u in self.forward_order if u == self.root or not self.reshard_after_forward)
 
-    def on_demand(self, event: UnshardEvent, unit: int) -> tuple[UnshardAction, ...]:
+    def on_demand(self, event: Event, unit: int) -> tuple[UnshardAction, ...]:
         """The actions for a hook the record does not cover: gather and wait right before use,
         reshard after forward as the strategy says, nothing after backward."""
         match event:
-            case UnshardEvent.PRE_FORWARD | UnshardEvent.PRE_BACKWARD:
+            case Event.PRE_FORWARD | Event.PRE_BACKWARD:
                 return (Gather(unit=unit), AwaitGather(unit=unit))
-            case UnshardEvent.POST_FORWARD:
+            case Event.POST_FORWARD:
                 return (Reshard(unit=unit),) if self.reshard_after_forward and unit != self.root else ()
-            case UnshardEvent.POST_BACKWARD:
+            case Event.POST_BACKWARD | Event.END_FORWARD | Event.END_BACKWARD:
                 return ()
             case _:
                 assert_never(event)
@@ -232,13 +208,13 @@ class UnshardRequest:
 class UnshardStep:
     """The actions to run, in order, when ``event`` fires for ``unit``."""
 
-    event: UnshardEvent
+    event: Event
     unit: int
     actions: tuple[UnshardAction, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.event, UnshardEvent):
-            raise TypeError(f"event: expected an UnshardEvent, got {self.event!r}")
+        if not isinstance(self.event, Event):
+            raise TypeError(f"event: expected an Event, got {self.event!r}")
         _check_unit("unit", self.unit)
         if not isinstance(self.actions, tuple) or not all(isinstance(a, (Gather, AwaitGather, Reshard))
                                                           for a in self.actions):
@@ -265,7 +241,7 @@ class UnshardSchedule:
         if not isinstance(self.steps, tuple) or not all(isinstance(s, UnshardStep) for s in self.steps):
             raise TypeError(f"steps: expected a tuple of UnshardStep, got {self.steps!r}")
         recorded = set(r.events)
-        table = {HookEvent(e, u): r.on_demand(e, u) for u in range(r.units) for e in UnshardEvent}
+        table = {HookEvent(e, u): r.on_demand(e, u) for u in range(r.units) for e in Event}
         seen: set[HookEvent] = set()
         for step in self.steps:
             key = HookEvent(step.event, step.unit)
@@ -281,13 +257,13 @@ class UnshardSchedule:
             table[key] = step.actions
         object.__setattr__(self, "_table", MappingProxyType(table))
 
-    def actions(self, event: UnshardEvent, unit: int) -> tuple[UnshardAction, ...]:
+    def actions(self, event: Event, unit: int) -> tuple[UnshardAction, ...]:
         """What to run when ``event`` fires for ``unit``: the step's actions, or the on-demand
         ones. Constant time."""
         try:
             return self._table[HookEvent(event, unit)]
         except KeyError:
-            raise ValueError(f"unit: expected 0 <= unit < {self.request.units} and an UnshardEvent, "
+            raise ValueError(f"unit: expected 0 <= unit < {self.request.units} and an Event, "
                              f"got {event!r} of unit {unit!r}") from None
 
 
@@ -323,17 +299,19 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
     def gather(unit: int, prefetched: set[int]) -> tuple[UnshardAction, ...]:
         return (() if unit in prefetched else (Gather(unit=unit),)) + (AwaitGather(unit=unit),)
 
-    def actions(event: UnshardEvent, unit: int) -> tuple[UnshardAction, ...]:
+    def actions(event: Event, unit: int) -> tuple[UnshardAction, ...]:
         match event:
-            case UnshardEvent.PRE_FORWARD:
+            case Event.PRE_FORWARD:
                 return gather(unit, forward_prefetched) + prefetch(forward_next, unit)
-            case UnshardEvent.POST_FORWARD:
+            case Event.POST_FORWARD:
                 return r.on_demand(event, unit)
-            case UnshardEvent.PRE_BACKWARD:
+            case Event.PRE_BACKWARD:
                 own = () if unit in kept else gather(unit, backward_prefetched)
                 return own + prefetch(pre_backward_next, unit)
-            case UnshardEvent.POST_BACKWARD:
+            case Event.POST_BACKWARD:
                 return prefetch(post_backward_next, unit)
+            case Event.END_FORWARD | Event.END_BACKWARD:
+                return ()
             case _:
                 assert_never(event)
 

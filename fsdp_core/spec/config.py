@@ -23,7 +23,6 @@ __all__ = [
     "StepFlags",
     "FLOAT_DTYPES",
     "HYBRID_STRATEGIES",
-    "RESHARD_AFTER_FORWARD_STRATEGIES",
     "parse_member",
 ]
 
@@ -73,6 +72,13 @@ class ShardingStrategy(enum.Enum):
         """Whether the flat parameter is split across the shard group."""
         return self is not ShardingStrategy.NO_SHARD
 
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether a unit frees its unsharded parameter after forward (``FULL_SHARD``,
+        ``HYBRID_SHARD``; FSDP1 keeps the root's) and so gathers again in backward; the ZeRO-2
+        strategies keep it from forward to backward."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
     @classmethod
     def parse(cls, name: str) -> ShardingStrategy:
         """Return the member called ``name`` (case-insensitive), or raise ``ValueError``."""
@@ -100,9 +106,6 @@ class BackwardPrefetch(enum.Enum):
 
 HYBRID_STRATEGIES: frozenset[ShardingStrategy] = frozenset(
     {ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2}
-)
-RESHARD_AFTER_FORWARD_STRATEGIES: frozenset[ShardingStrategy] = frozenset(
-    {ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD}
 )
 
 

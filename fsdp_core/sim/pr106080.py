@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from fsdp_core.iteration import (
+from fsdp_core.sim.iteration import (
     CollectiveCosts,
     IterationModel,
     IterationTimeline,
@@ -30,7 +30,7 @@ from fsdp_core.iteration import (
     UnitCosts,
     simulate_iteration,
 )
-from fsdp_core.iteration_render import format_iteration
+from fsdp_core.sim.render import format_iteration
 
 __all__ = [
     "SEED_DECODER",

@@ -14,11 +14,12 @@ from typing import Callable, Mapping
 
 import torch
 from toolz import pipe
+from typing_extensions import assert_never
 
-from fsdp_core.config import CommHook, CPUOffload, HybridAllReduce, MixedPrecision, ShardingStrategy, StepFlags
-from fsdp_core.division import DivideFactors, Division, divide_factors
-from fsdp_core.layout import FlatParamLayout, ShardingSpec, unsharded_views
-from fsdp_core.ops import (
+from fsdp_core.spec.config import CommHook, CPUOffload, HybridAllReduce, MixedPrecision, ShardingStrategy, StepFlags
+from fsdp_core.spec.division import DivideFactors, Division, divide_factors
+from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec, unsharded_views
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Buffer,
@@ -43,10 +44,11 @@ from fsdp_core.ops import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan import Plan, PlanRequest, buffers_of
-from fsdp_core.verifier import Problem, check_plan
+from fsdp_core.plan.request import Plan, PlanRequest, buffers_of
+from fsdp_core.plan.verifier import check_plan
+from fsdp_core.problems import Problem
 
-__all__ = ["PLAN_BUILDERS", "PlanCache", "UnsoundPlanError", "build_plan", "plan_post_backward"]
+__all__ = ["PLAN_BUILDERS", "PlanCache", "UnsoundPlanError", "all_reduce_stream", "build_plan", "plan_post_backward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +242,7 @@ def _replicate_all_reduce(d: Draft) -> Draft:
         partial = _partial(r)
         d2 = _emit(d, Accumulate(dst=d.grad, src=partial, stream=d.stream))
         d = _emit(d2, *_release(d2, partial))
-    if r.hybrid_all_reduce is HybridAllReduce.ASYNC:
-        d = _switch_stream(d, Stream.ALL_REDUCE)
+    d = _switch_stream(d, all_reduce_stream(r.hybrid_all_reduce))
     if r.comm_hook is not CommHook.NONE:
         # The hook averaged over the shard group; what remains is one reduction over the
         # replicate group, divided by the rule for a single collective of that size.
@@ -255,6 +256,19 @@ def _replicate_all_reduce(d: Draft) -> Draft:
     assert d.factors is not None
     ar = AllReduce(buffer=d.grad, group=Group.REPLICATE, reduce_op=d.factors.all_reduce_op, stream=d.stream)
     return _post_divide(_emit(d, ar))
+
+
+def all_reduce_stream(placement: HybridAllReduce) -> Stream:
+    """The stream a hybrid strategy's replicate all-reduce runs on: one of its own (``ASYNC``,
+    PyTorch PR 106080), so it overlaps the next reduce-scatters and all-gathers, or the
+    post-backward stream right after the reduce-scatter (``SYNC``, FSDP1 before it)."""
+    match placement:
+        case HybridAllReduce.ASYNC:
+            return Stream.ALL_REDUCE
+        case HybridAllReduce.SYNC:
+            return Stream.POST_BACKWARD
+        case _:
+            assert_never(placement)
 
 
 def _cast_to_grad_dtype(d: Draft) -> Draft:
@@ -274,7 +288,7 @@ def _accumulate_or_offload(d: Draft) -> Draft:
         return d
     r = d.request
     if r.offload.offload_params:
-        cpu = _cpu_grad(r)
+        cpu = _saved_grad(r)
         op = Offload(src=d.grad, dst=cpu, accumulate=r.flags.accumulate, stream=d.stream)
         return replace(_replace_grad(d, op, cpu), destination=Destination.CPU_GRAD)
     if r.flags.accumulate:
@@ -328,10 +342,6 @@ def _saved_grad(r: PlanRequest) -> Buffer:
     device = Device.HOST if r.offload.offload_params else Device.DEVICE
     name = "cpu_grad" if r.offload.offload_params else "sharded_grad"
     return Buffer(name=name, numel=numel, dtype=r.grad_dtype, device=device)
-
-
-def _cpu_grad(r: PlanRequest) -> Buffer:
-    return Buffer(name="cpu_grad", numel=r.sharding.shard_numel(r.layout), dtype=r.grad_dtype, device=Device.HOST)
 
 
 def _partial(r: PlanRequest) -> Buffer:
@@ -416,7 +426,6 @@ class PlanCache:
     def __init__(self, maxsize: int = 4096, *, verify: bool = False) -> None:
         build = _build_verified if verify else build_plan
         self._get: functools._lru_cache_wrapper[Plan] = functools.lru_cache(maxsize=maxsize)(build)
-        self.verify = verify
 
     def __call__(self, request: PlanRequest) -> Plan:
         """The plan for ``request``, from the cache when it was built before."""

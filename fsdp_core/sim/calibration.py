@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from fsdp_core.config import BackwardPrefetch
-from fsdp_core.iteration import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
-from fsdp_core.link_sim import Link
+from fsdp_core.spec.config import BackwardPrefetch
+from fsdp_core.sim.iteration import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
+from fsdp_core.sim.links import Link
 
 __all__ = [
     "AffineCost",

@@ -17,8 +17,8 @@ from typing import Mapping
 
 from typing_extensions import assert_never
 
-from fsdp_core.comm import all_gather_volume, comm_volume
-from fsdp_core.ops import (
+from fsdp_core.plan.comm import all_gather_volume, comm_volume
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Cast,
@@ -40,10 +40,12 @@ from fsdp_core.ops import (
     WaitStream,
     op_name,
 )
-from fsdp_core.plan import Plan
-from fsdp_core.unshard import AwaitGather, Gather, HookEvent, Reshard, UnshardEvent, UnshardSchedule
+from fsdp_core.plan.request import Plan
+from fsdp_core.problems import JsonValue
+from fsdp_core.spec.events import Event, HookEvent
+from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardSchedule
 
-__all__ = ["CostModel", "TimelineEntry", "format_timeline", "simulate_timeline"]
+__all__ = ["CostModel", "TimelineEntry", "format_timeline", "simulate_timeline", "timeline_to_json"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +84,7 @@ class TimelineEntry:
     end: float
 
 
-_BACKWARD_EVENTS = (UnshardEvent.PRE_BACKWARD, UnshardEvent.POST_BACKWARD)
+_BACKWARD_EVENTS = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
 
 
 def _link_bandwidth(cost: CostModel, group: Group) -> float:
@@ -183,7 +185,7 @@ def simulate_timeline(
         out.append(TimelineEntry(unit=unit, op_index=index, op=op_name(op), stream=stream,
                                  start=start, end=start + duration))
 
-    def hook_actions(event: UnshardEvent, unit: int) -> None:
+    def hook_actions(event: Event, unit: int) -> None:
         if unshard is None:
             return
         issued_at = now[Stream.COMPUTE]
@@ -202,7 +204,7 @@ def simulate_timeline(
                     assert_never(action)
 
     for event, unit in hooks:
-        if event is UnshardEvent.PRE_BACKWARD:
+        if event is Event.PRE_BACKWARD:
             hook_actions(event, unit)
             if backward_seconds > 0:
                 start = now[Stream.COMPUTE]
@@ -255,3 +257,9 @@ def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
             lines.append(f"  {unit}op{index} {e.op:<15} {e.stream.value:<14} "
                          f"{e.start * 1e3:9.3f} -> {e.end * 1e3:9.3f} ms")
     return "\n".join(lines)
+
+
+def timeline_to_json(entries: tuple[TimelineEntry, ...]) -> list[JsonValue]:
+    """Each entry as ``{unit, op_index, op, stream, start, end}``, times in seconds."""
+    return [{"unit": e.unit, "op_index": e.op_index, "op": e.op, "stream": e.stream.value,
+             "start": e.start, "end": e.end} for e in entries]

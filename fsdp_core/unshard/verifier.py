@@ -18,16 +18,9 @@ from typing import Mapping
 
 from typing_extensions import assert_never
 
-from fsdp_core.unshard import (
-    AwaitGather,
-    Gather,
-    HookEvent,
-    Reshard,
-    UnshardAction,
-    UnshardEvent,
-    UnshardSchedule,
-)
-from fsdp_core.verifier import Problem, Rule
+from fsdp_core.problems import Problem, Rule
+from fsdp_core.spec.events import Event, HookEvent
+from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardAction, UnshardSchedule
 
 __all__ = ["check_unshard"]
 
@@ -38,9 +31,9 @@ class _Held(enum.Enum):
     GATHERED = "gathered"
 
 
-_PRE = (UnshardEvent.PRE_FORWARD, UnshardEvent.PRE_BACKWARD)
-_USE: Mapping[UnshardEvent, str] = MappingProxyType(
-    {UnshardEvent.PRE_FORWARD: "forward", UnshardEvent.PRE_BACKWARD: "backward"}
+_PRE = (Event.PRE_FORWARD, Event.PRE_BACKWARD)
+_USE: Mapping[Event, str] = MappingProxyType(
+    {Event.PRE_FORWARD: "forward", Event.PRE_BACKWARD: "backward"}
 )
 """What a pre-hook's unit starts running."""
 
@@ -78,7 +71,7 @@ class _Sim:
         event, unit = hook
         if event not in _PRE:
             self.in_use.discard(unit)
-        if event is UnshardEvent.POST_BACKWARD and r.reshard_after_backward and self.held[unit] is _Held.GATHERED:
+        if event is Event.POST_BACKWARD and r.reshard_after_backward and self.held[unit] is _Held.GATHERED:
             self.held[unit] = _Held.SHARDED
         for action in self.schedule.actions(event, unit):
             self.act(action)
@@ -88,7 +81,7 @@ class _Sim:
                 self.report(Rule.UNGATHERED_USE, f"unit {unit}'s {_USE[event]} runs but {awaited}")
             self.in_use.add(unit)
             self.ahead.discard(unit)
-        if event is UnshardEvent.POST_FORWARD:
+        if event is Event.POST_FORWARD:
             self.check_forward_reshard(unit)
 
     def act(self, action: UnshardAction) -> None:

@@ -12,18 +12,17 @@ from dataclasses import dataclass
 import torch
 from typing_extensions import assert_never
 
-from fsdp_core.config import (
-    RESHARD_AFTER_FORWARD_STRATEGIES,
+from fsdp_core.spec.config import (
     CommHook,
     CPUOffload,
     HybridAllReduce,
     MixedPrecision,
     StepFlags,
 )
-from fsdp_core.division import DivideFactors, Division
-from fsdp_core.layout import FlatParamLayout, ShardingSpec
-from fsdp_core.carry import carried_role
-from fsdp_core.ops import (
+from fsdp_core.spec.division import DivideFactors, Division
+from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
+from fsdp_core.plan.carry import carried_role
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Buffer,
@@ -140,9 +139,15 @@ class PlanRequest:
         the post-backward, except ZeRO-2 strategies inside ``no_sync``, which keep it to avoid
         all-gathering again in the next accumulation step."""
         strategy = self.sharding.strategy
-        return strategy.is_sharded and (
-            self.flags.sync_gradients or strategy in RESHARD_AFTER_FORWARD_STRATEGIES
-        )
+        return strategy.is_sharded and self.reshards_after_backward
+
+    @property
+    def reshards_after_backward(self) -> bool:
+        """Whether the unsharded parameter is freed by the end of this backward (by the plan when
+        ``should_free_in_backward``, else at the end of backward): always when gradients are
+        synchronised; inside ``no_sync`` only by strategies that reshard after forward anyway,
+        so the ZeRO-2 strategies and ``NO_SHARD`` keep it for the next accumulation step."""
+        return self.flags.sync_gradients or self.sharding.strategy.reshards_after_forward
 
 
 def _check_types(request: PlanRequest) -> None:

@@ -1,14 +1,12 @@
-"""Plans, all-gather schedules and timelines for people and programs: readable text and JSON-ready values."""
+"""Post-backward plans for people and programs: readable text and JSON-ready values."""
 
 from __future__ import annotations
-
-from typing import Union
 
 import torch
 from typing_extensions import assert_never
 
-from fsdp_core.comm import comm_volume
-from fsdp_core.ops import (
+from fsdp_core.plan.comm import comm_volume
+from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
     Buffer,
@@ -29,26 +27,11 @@ from fsdp_core.ops import (
     WaitStream,
     op_name,
 )
-from fsdp_core.plan import Plan
-from fsdp_core.timeline import TimelineEntry
-from fsdp_core.unshard import UnshardAction, UnshardSchedule, action_name
-from fsdp_core.unshard_verifier import check_unshard
-from fsdp_core.verifier import Problem, check_plan
+from fsdp_core.plan.request import Plan
+from fsdp_core.plan.verifier import check_plan
+from fsdp_core.problems import JsonValue, Problem, problems_to_json
 
-__all__ = [
-    "JsonValue",
-    "describe_op",
-    "format_plan",
-    "format_unshard",
-    "plan_to_json",
-    "problems_to_json",
-    "timeline_to_json",
-    "unshard_to_json",
-]
-
-JsonValue = Union[None, bool, int, float, str, list["JsonValue"], dict[str, "JsonValue"]]
-"""A value ``json.dumps`` accepts."""
-
+__all__ = ["describe_op", "format_plan", "plan_to_json"]
 
 def _dtype(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
@@ -219,65 +202,3 @@ def plan_to_json(plan: Plan, problems: list[Problem] | None = None) -> dict[str,
         "comm_bytes": sum(v.bytes for v in comm_volume(plan)),
         "problems": problems_to_json(found),
     }
-
-
-def problems_to_json(problems: list[Problem]) -> list[JsonValue]:
-    """Each problem as ``{rule, op_index, message}``."""
-    return [{"rule": p.rule.value, "op_index": p.op_index, "message": p.message} for p in problems]
-
-
-def _actions_text(actions: tuple[UnshardAction, ...]) -> str:
-    return ", ".join(f"{action_name(a)} {a.unit}" for a in actions) if actions else "-"
-
-
-def format_unshard(schedule: UnshardSchedule) -> str:
-    """A readable listing of ``schedule``: the request, then one line per step with its actions."""
-    r = schedule.request
-    prefetch = "none" if r.backward_prefetch is None else r.backward_prefetch.name
-    after_forward = "reshard (not the root)" if r.reshard_after_forward else "keep"
-    after_backward = "reshard (by the post-backward plan)" if r.reshard_after_backward else "keep"
-    lines = [
-        f"all-gather schedule: {r.units} unit(s), root {r.root}; backward_prefetch {prefetch}, "
-        f"forward_prefetch {r.forward_prefetch}",
-        f"  after forward: {after_forward}; after backward: {after_backward}",
-        f"  forward order: {' '.join(map(str, r.forward_order)) or '(not recorded)'}; "
-        f"backward order: {' '.join(map(str, r.backward_order)) or '(not recorded)'}",
-        "",
-    ]
-    rows = [(str(i), s.event.value, str(s.unit), _actions_text(s.actions)) for i, s in enumerate(schedule.steps)]
-    head = ("#", "event", "unit", "actions")
-    widths = [max(len(row[k]) for row in [head, *rows]) for k in range(3)]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in [head, *rows]]
-    lines.append("other hooks: on demand (gather and await before use; reshard after forward as the strategy says)")
-    return "\n".join(lines)
-
-
-def unshard_to_json(schedule: UnshardSchedule, problems: list[Problem] | None = None) -> dict[str, JsonValue]:
-    """``schedule`` as a JSON-ready dict: the request's fields, ``steps`` (``{event, unit,
-    actions: [{action, unit}]}``) and ``problems`` (``check_unshard``'s, computed unless given;
-    ``op_index`` counts hook events)."""
-    r = schedule.request
-    found = check_unshard(schedule) if problems is None else problems
-    steps: list[JsonValue] = [
-        {"event": s.event.value, "unit": s.unit,
-         "actions": [{"action": action_name(a), "unit": a.unit} for a in s.actions]}
-        for s in schedule.steps
-    ]
-    return {
-        "units": r.units,
-        "root": r.root,
-        "forward_order": list(r.forward_order),
-        "backward_order": list(r.backward_order),
-        "reshard_after_forward": r.reshard_after_forward,
-        "reshard_after_backward": r.reshard_after_backward,
-        "backward_prefetch": None if r.backward_prefetch is None else r.backward_prefetch.name,
-        "forward_prefetch": r.forward_prefetch,
-        "steps": steps,
-        "problems": problems_to_json(found),
-    }
-
-
-def timeline_to_json(entries: tuple[TimelineEntry, ...]) -> list[JsonValue]:
-    """Each entry as ``{unit, op_index, op, stream, start, end}``, times in seconds."""
-    return [{"unit": e.unit, "op_index": e.op_index, "op": e.op, "stream": e.stream.value,
-             "start": e.start, "end": e.end} for e in entries]

@@ -5,22 +5,22 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from fsdp_core.iteration import Interval, IterationTimeline, Phase
-from fsdp_core.link_sim import Link
-from fsdp_core.ops import Stream
-from fsdp_core.render import JsonValue
+from fsdp_core.sim.iteration import Interval, IterationTimeline, Activity
+from fsdp_core.sim.links import Link
+from fsdp_core.plan.ops import Stream
+from fsdp_core.problems import JsonValue
 
-__all__ = ["PHASE_MARKS", "format_iteration", "iteration_to_trace"]
+__all__ = ["ACTIVITY_MARKS", "format_iteration", "iteration_to_trace"]
 
-PHASE_MARKS: Mapping[Phase, str] = MappingProxyType({
-    Phase.FORWARD_ALL_GATHER: "g",
-    Phase.FORWARD: "f",
-    Phase.BACKWARD_ALL_GATHER: "G",
-    Phase.BACKWARD: "b",
-    Phase.REDUCE_SCATTER: "R",
-    Phase.ALL_REDUCE: "A",
+ACTIVITY_MARKS: Mapping[Activity, str] = MappingProxyType({
+    Activity.FORWARD_ALL_GATHER: "g",
+    Activity.FORWARD: "f",
+    Activity.BACKWARD_ALL_GATHER: "G",
+    Activity.BACKWARD: "b",
+    Activity.REDUCE_SCATTER: "R",
+    Activity.ALL_REDUCE: "A",
 })
-"""The character ``format_iteration`` draws each phase with."""
+"""The character ``format_iteration`` draws each activity with."""
 
 _STREAMS = (Stream.COMPUTE, Stream.ALL_GATHER, Stream.POST_BACKWARD, Stream.ALL_REDUCE)
 
@@ -61,7 +61,7 @@ def format_iteration(timeline: IterationTimeline, width: int = 100) -> str:
         cells = [" "] * width
         for i in mine:
             for k in span(i):
-                cells[k] = PHASE_MARKS[i.phase]
+                cells[k] = ACTIVITY_MARKS[i.activity]
         rows.append(f"  {stream.value:<14}|{''.join(cells)}|")
     for link in Link:
         mine = [i for i in shown if i.link is link]
@@ -75,7 +75,7 @@ def format_iteration(timeline: IterationTimeline, width: int = 100) -> str:
         for k, here in enumerate(covering):
             if here:
                 shared = _concurrency(here)
-                cells[k] = str(min(shared, 9)) if shared > 1 else PHASE_MARKS[here[-1].phase]
+                cells[k] = str(min(shared, 9)) if shared > 1 else ACTIVITY_MARKS[here[-1].activity]
         rows.append(f"  {link.value:<14}|{''.join(cells)}|")
     head = f"{timeline.schedule.value}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
     legend = ("  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
@@ -87,7 +87,7 @@ def iteration_to_trace(timeline: IterationTimeline, *, name: str | None = None) 
     """``timeline`` as a Chrome/Perfetto trace: ``{"traceEvents": [...], "displayTimeUnit": "ms"}``.
 
     One process (named ``name``, default the schedule's value); one thread track per stream with a
-    complete (``"X"``) event per interval, ``ts``/``dur`` in microseconds, its unit, phase, group
+    complete (``"X"``) event per interval, ``ts``/``dur`` in microseconds, its unit, activity, group
     and link in ``args``; and per link a counter track of how many collectives are active on it.
     """
     pid = 1
@@ -100,9 +100,9 @@ def iteration_to_trace(timeline: IterationTimeline, *, name: str | None = None) 
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     for i in timeline.intervals:
         events.append({
-            "ph": "X", "name": f"{i.name} {i.phase.value}", "cat": i.phase.value, "pid": pid, "tid": tids[i.stream],
+            "ph": "X", "name": f"{i.name} {i.activity.value}", "cat": i.activity.value, "pid": pid, "tid": tids[i.stream],
             "ts": i.start_ms * 1e3, "dur": i.duration_ms * 1e3,
-            "args": {"unit": i.unit, "phase": i.phase.value, "group": None if i.group is None else i.group.value,
+            "args": {"unit": i.unit, "activity": i.activity.value, "group": None if i.group is None else i.group.value,
                      "link": None if i.link is None else i.link.value},
         })
     for link in Link:

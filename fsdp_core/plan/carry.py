@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing_extensions import assert_never
 
-from fsdp_core.config import StepFlags
-from fsdp_core.ops import Destination, InputRole
+from fsdp_core.spec.config import StepFlags
+from fsdp_core.plan.ops import Destination, InputRole
 
 __all__ = ["CARRIED_ROLES", "carried_role", "step_flags"]
 

@@ -1,0 +1,105 @@
+"""Simulation: when a plan's ops would run (``timeline``), and a whole training iteration of
+several units on FSDP1's streams and shared links (``iteration``, run by the event-driven
+``links``), drawn by ``render``; PyTorch PR 106080's table reproduced with it (``pr106080``) and
+the model calibrated from timings measured on a cluster (``calibration``).
+
+Nothing that runs training imports this package; ``fsdp-plan`` and ``fsdp-sim`` do.
+"""
+
+from fsdp_core.sim.calibration import (
+    AffineCost,
+    Collective,
+    CollectiveFits,
+    CollectiveSample,
+    Load,
+    MeasuredUnit,
+    Measurements,
+    SharingSample,
+    SlowdownSample,
+    fit_affine,
+    fit_collectives,
+    links_from_measurements,
+    model_from_measurements,
+)
+from fsdp_core.sim.iteration import (
+    Activity,
+    CollectiveCosts,
+    ComputeSlowdown,
+    Interval,
+    IterationModel,
+    IterationTimeline,
+    LinkModel,
+    Schedule,
+    UnitCosts,
+    simulate_iteration,
+)
+from fsdp_core.sim.links import Link, SimTask, run_tasks
+from fsdp_core.sim.pr106080 import (
+    SEED_DECODER,
+    SEED_ENCODER,
+    SEED_PARAMETERS,
+    SEED_ROWS,
+    SeedCalibration,
+    SeedParameters,
+    SeedResult,
+    SeedRow,
+    fit_seed,
+    format_seed_table,
+    format_seed_timeline,
+    seed_calibration,
+    seed_links,
+    seed_model,
+)
+from fsdp_core.sim.render import ACTIVITY_MARKS, format_iteration, iteration_to_trace
+from fsdp_core.sim.timeline import CostModel, TimelineEntry, format_timeline, simulate_timeline, timeline_to_json
+
+__all__ = [
+    "ACTIVITY_MARKS",
+    "Activity",
+    "AffineCost",
+    "Collective",
+    "CollectiveCosts",
+    "CollectiveFits",
+    "CollectiveSample",
+    "ComputeSlowdown",
+    "CostModel",
+    "Interval",
+    "IterationModel",
+    "IterationTimeline",
+    "Link",
+    "LinkModel",
+    "Load",
+    "MeasuredUnit",
+    "Measurements",
+    "SEED_DECODER",
+    "SEED_ENCODER",
+    "SEED_PARAMETERS",
+    "SEED_ROWS",
+    "Schedule",
+    "SeedCalibration",
+    "SeedParameters",
+    "SeedResult",
+    "SeedRow",
+    "SharingSample",
+    "SimTask",
+    "SlowdownSample",
+    "TimelineEntry",
+    "UnitCosts",
+    "fit_affine",
+    "fit_collectives",
+    "fit_seed",
+    "format_iteration",
+    "format_seed_table",
+    "format_seed_timeline",
+    "format_timeline",
+    "iteration_to_trace",
+    "links_from_measurements",
+    "model_from_measurements",
+    "run_tasks",
+    "seed_calibration",
+    "seed_links",
+    "seed_model",
+    "simulate_iteration",
+    "simulate_timeline",
+    "timeline_to_json",
+]
