@@ -198,7 +198,7 @@ def _block_collectives(numel: int, groups: dict[str, dist.ProcessGroup],
     the all-gather into a fresh buffer (an unshard allocates one), the reduce-scatter by
     ``collectives.gloo_reduce_scatter``, the replicate all-reduce of one shard. Keys
     (collective, link); values (bytes as ``CollectiveSample.nbytes`` counts them, the issuer)."""
-    from fsdp_shell.collectives import all_gather_flat, gloo_reduce_scatter
+    from fsdp_shell.runtime.collectives import all_gather_flat, gloo_reduce_scatter
 
     def waiter(work: dist.Work | None) -> Callable[[], None]:
         assert work is not None

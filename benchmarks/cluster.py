@@ -333,7 +333,7 @@ def run_on_cluster(fn: Callable[[int, int, A], R], arg: A, *, rate_mbit: float =
                    timeout: float = 600.0) -> list[R]:
     """``fn(rank, world, arg)`` on each of ``2 * ranks_per_node`` ranks of a fresh emulated
     cluster (gloo, ``node_of`` placement, inter-node link shaped to ``rate_mbit``); results in
-    rank order. Contract of ``fsdp_shell.launch.run_world``: ``fn`` must be importable by
+    rank order. Contract of ``fsdp_shell.cli.launch.run_world``: ``fn`` must be importable by
     module path (defined at top level of a module, or of the ``__main__`` script, which each
     rank imports as ``__mp_main__`` as multiprocessing's spawn does), ``fn``, ``arg`` and the
     results must pickle; a rank that raises makes this raise ``RuntimeError`` with its

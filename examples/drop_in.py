@@ -9,7 +9,7 @@ from torch import nn
 
 # FSDP1: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, MixedPrecision, ShardingStrategy
-from fsdp_shell.launch import run_world
+from fsdp_shell.cli.launch import run_world
 
 
 def train(rank: int, world: int, _: None) -> None:

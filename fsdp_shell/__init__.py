@@ -1,15 +1,51 @@
 """fsdp_shell: the imperative side of fsdp.
 
-``FullyShardedDataParallel`` (alias ``FSDP``) is the ``nn.Module`` wrapper; it runs the plans of
-``fsdp_core`` on real process groups (NCCL on GPU, gloo on CPU), streams and autograd hooks
-through one interpreter (``fsdp_shell.interpreter``). ``fsdp_shell.comm_hooks`` has built-in
-communication hooks that also work on CPU; ``fsdp_shell.simulated_world`` runs a plan for
-every rank of a simulated world in one process; ``fsdp-plan`` is ``fsdp_shell.plan_cli``.
+``FullyShardedDataParallel`` (alias ``FSDP``, in ``fsdp_shell.fsdp``) is the ``nn.Module``
+wrapper: FSDP1's constructor and public API. Its hooks (``fsdp_shell.hooks``) run the plans of
+``fsdp_core`` on real process groups (NCCL on GPU, gloo on CPU) and autograd hooks through one
+interpreter (``fsdp_shell.runtime``). The folders, one concern each:
+
+- ``units``: one unit's flat parameter (flatten, shard, gather, views, carried gradients) and
+  the all-gather schedule across units;
+- ``runtime``: the interpreter, the device runtimes behind one protocol, the collectives and
+  their log, process groups, and the reference interpreter that checks plans over a simulated
+  world;
+- ``state``: state dicts, optimizer state dicts, crash-safe checkpoints;
+- ``safety``: the ranks' agreement before the first collective, the event sequencer for
+  divergent paths, timeouts turned into errors that say where;
+- ``cli``: ``fsdp-plan``, ``fsdp-sim`` (neither imports the wrapper) and the local launcher;
+  ``demo``: ``fsdp-demo``.
+
+``fsdp_shell.comm_hooks`` has built-in communication hooks that also work on CPU. The names
+below are imported on first use, so ``fsdp_shell.cli`` loads none of the training runtime.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from fsdp_core import CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_shell.fsdp import FSDP, FullyShardedDataParallel
-from fsdp_shell.state_dict import StateDictSettings, StateDictType
+
+if TYPE_CHECKING:
+    from fsdp_shell.fsdp import FSDP, FullyShardedDataParallel
+    from fsdp_shell.state.state_dict import StateDictSettings, StateDictType
 
 __all__ = ["CPUOffload", "FSDP", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy",
            "StateDictSettings", "StateDictType"]
+
+_LAZY = {
+    "FSDP": "fsdp_shell.fsdp",
+    "FullyShardedDataParallel": "fsdp_shell.fsdp",
+    "StateDictSettings": "fsdp_shell.state.state_dict",
+    "StateDictType": "fsdp_shell.state.state_dict",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_shell' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_core import CommHook, fsdp1_predivide_factor
-from fsdp_shell.collectives import reduce_scatter_flat
+from fsdp_shell.runtime.collectives import reduce_scatter_flat
 
 __all__ = [
     "DefaultState",

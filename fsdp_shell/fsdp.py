@@ -2,7 +2,7 @@
 
 Each unit flattens the parameters its module owns (not those of nested units) into one
 ``FlatParamHandle``. Every hook runs the tree's all-gather schedule for its event
-(``fsdp_shell.unshard``): forward gathers (and prefetches), runs the module on views of the
+(``fsdp_shell.units.unshard``): forward gathers (and prefetches), runs the module on views of the
 unsharded flat parameter and reshards for ``FULL_SHARD``/``HYBRID_SHARD``; a hook on the
 forward's outputs gathers before the unit's backward. A post-accumulate-grad hook on the flat
 parameter asks the tree's verifying plan cache for the plan of this unit's request and step
@@ -38,22 +38,22 @@ from fsdp_core import (
     Stream,
     step_flags,
 )
-from fsdp_shell.agreement import (
+from fsdp_shell.safety.agreement import (
     CollectiveTimeoutError,
     RankMismatchError,
     check_agreement,
     check_same_events,
     gave_up_waiting,
 )
-from fsdp_shell.collective_log import CollectiveRecord, Phase
+from fsdp_shell.runtime.log import CollectiveRecord, Phase
 from fsdp_shell.comm_hooks import builtin_kind
-from fsdp_shell.flat_param import FlatParamHandle, OrigParam
-from fsdp_shell.interpreter import PlanRun
-from fsdp_shell.optim_state import optim_state_dict as optim_state_dict_of
-from fsdp_shell.optim_state import optim_state_dict_to_load
-from fsdp_shell.runtime import CudaRuntime
-from fsdp_shell.sequencer import Sequencer
-from fsdp_shell.state_dict import (
+from fsdp_shell.units.flat_param import FlatParamHandle, OrigParam
+from fsdp_shell.runtime.interpreter import PlanRun
+from fsdp_shell.state.optim_state import optim_state_dict as optim_state_dict_of
+from fsdp_shell.state.optim_state import optim_state_dict_to_load
+from fsdp_shell.runtime.cpu import CudaRuntime
+from fsdp_shell.safety.sequencer import Sequencer
+from fsdp_shell.state.state_dict import (
     StateDictSettings,
     StateDictType,
     full_state_dict,
@@ -62,7 +62,7 @@ from fsdp_shell.state_dict import (
     state_dict_settings,
 )
 from fsdp_shell.tree import Tree, WrapPolicy, make_tree, parse_options
-from fsdp_shell.unshard import UnshardRunner
+from fsdp_shell.units.unshard import UnshardRunner
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 
@@ -610,7 +610,7 @@ class FullyShardedDataParallel(nn.Module):
     def _sequence(self, event: HookEvent, grad_on: bool) -> None:
         """With ``ranks_may_diverge``: agree with the other ranks that ``event`` is next here,
         running first (virtually) every earlier event another rank is at
-        (``fsdp_shell.sequencer``). Without: record it, and at the end of backward check that
+        (``fsdp_shell.safety.sequencer``). Without: record it, and at the end of backward check that
         every rank ran the same events."""
         tree = self._tree
         if tree.sequencer is None:

@@ -30,8 +30,8 @@ from fsdp_core import (
     ShardingStrategy,
     Stream,
 )
-from fsdp_shell.collective_log import CollectiveLog
-from fsdp_shell.compat import (
+from fsdp_shell.runtime.log import CollectiveLog
+from fsdp_shell.options import (
     to_backward_prefetch,
     to_cpu_offload,
     to_division_policy,
@@ -39,12 +39,12 @@ from fsdp_shell.compat import (
     to_mixed_precision,
     to_sharding_strategy,
 )
-from fsdp_shell.groups import ProcessGroups, duplicate_group, group_timeout, resolve_groups
-from fsdp_shell.interpreter import CommHookFn, ExecContext, PlanRun
-from fsdp_shell.runtime import CpuRuntime, CudaRuntime, Runtime
-from fsdp_shell.sequencer import Sequencer
-from fsdp_shell.state_dict import StateDictSettings, StateEntry, state_entries
-from fsdp_shell.unshard import UnshardRunner
+from fsdp_shell.runtime.groups import ProcessGroups, duplicate_group, group_timeout, resolve_groups
+from fsdp_shell.runtime.interpreter import CommHookFn, ExecContext, PlanRun
+from fsdp_shell.runtime.cpu import CpuRuntime, CudaRuntime, Runtime
+from fsdp_shell.safety.sequencer import Sequencer
+from fsdp_shell.state.state_dict import StateDictSettings, StateEntry, state_entries
+from fsdp_shell.units.unshard import UnshardRunner
 
 if TYPE_CHECKING:
     from fsdp_shell.fsdp import FullyShardedDataParallel
@@ -135,7 +135,7 @@ class Tree:
     parameter shared across units."""
     _mesh: DeviceMesh | None = None
     sequence_events: bool = False
-    """Whether the ranks agree on every FSDP event (``ranks_may_diverge``, ``fsdp_shell.sequencer``)."""
+    """Whether the ranks agree on every FSDP event (``ranks_may_diverge``, ``fsdp_shell.safety.sequencer``)."""
     events: list[HookEvent] = field(default_factory=list)
     """Without the sequencer: this iteration's FSDP events, compared across ranks at the end of
     backward."""

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core import MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, comm_hooks
-from fsdp_shell.agreement import RankMismatchError
+from fsdp_shell.safety.agreement import RankMismatchError
 from tests.divergence_cases import Block
 
 

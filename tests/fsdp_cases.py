@@ -26,7 +26,7 @@ from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 
 from fsdp_core import CPUOffload, Group, MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, comm_hooks
-from fsdp_shell.collective_log import CollectiveRecord
+from fsdp_shell.runtime.log import CollectiveRecord
 
 BATCH = 3
 """Rows of each rank's micro-batch."""

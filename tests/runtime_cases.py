@@ -22,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from fsdp_core import Group, ShardingStrategy
 from fsdp_shell import FSDP
-from fsdp_shell.flat_param import FlatParamHandle
-from fsdp_shell.collective_log import CollectiveRecord, Phase
+from fsdp_shell.units.flat_param import FlatParamHandle
+from fsdp_shell.runtime.log import CollectiveRecord, Phase
 
 
 class Layer(nn.Module):

@@ -1,7 +1,7 @@
 """Checkpoints survive a kill during the save and refuse damage with one line (``fsdp-demo``).
 
 A save writes a new version beside the old one and points ``CURRENT`` at it last
-(``fsdp_shell.checkpoint``). Here the demo is killed (SIGKILL to its whole process group) after
+(``fsdp_shell.state.checkpoint``). Here the demo is killed (SIGKILL to its whole process group) after
 each stage of a save and at random moments; the next ``--resume`` must continue from the old
 checkpoint or the new one, bit-exact. Then each kind of damage is made to a copy and
 ``--resume`` must exit 1 with one line naming the file, leaving the directory as it was.
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_shell.checkpoint import CURRENT, KILL_AT_ENV, current_version
+from fsdp_shell.state.checkpoint import CURRENT, KILL_AT_ENV, current_version
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
-from fsdp_shell.launch import run_world
+from fsdp_shell.cli.launch import run_world
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4", "--eval-every", "100"]

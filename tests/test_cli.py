@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fsdp_shell.plan_cli import main
+from fsdp_shell.cli.plan import main
 
 STRATEGIES = ["NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
@@ -128,7 +128,7 @@ def test_invalid_combinations_exit_2_with_one_line(
 
 def test_console_script_runs_as_a_process() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "fsdp_shell.plan_cli", "--strategy", "NO_SHARD", "--world-size", "4", "--json"],
+        [sys.executable, "-m", "fsdp_shell.cli.plan", "--strategy", "NO_SHARD", "--world-size", "4", "--json"],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert done.returncode == 0, done.stderr

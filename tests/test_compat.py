@@ -7,7 +7,7 @@ from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
 from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 
 from fsdp_core import BackwardPrefetch
-from fsdp_shell.compat import to_backward_prefetch
+from fsdp_shell.options import to_backward_prefetch
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from fsdp_core import ShardingStrategy
-from fsdp_shell.checkpoint import read_meta
+from fsdp_shell.state.checkpoint import read_meta
 from fsdp_shell.demo.model import ModelConfig
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
-from fsdp_shell.launch import free_port, run_world
+from fsdp_shell.cli.launch import free_port, run_world
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4"]

@@ -1,6 +1,6 @@
 """Ranks whose forwards skip different wrapped units, or leave a unit's output unused, neither
 hang nor train wrong with ``ranks_may_diverge=True``: every rank runs the same FSDP events
-(``fsdp_shell.sequencer``), the unit a rank did not use contributing a zero gradient there, as in
+(``fsdp_shell.safety.sequencer``), the unit a rank did not use contributing a zero gradient there, as in
 the single-process reference. Without it, paths whose collectives pair wrongly but complete are
 caught at the end of backward on every rank."""
 

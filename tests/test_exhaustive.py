@@ -79,9 +79,9 @@ from fsdp_core import (
 from fsdp_core.sim import CostModel, simulate_timeline
 from fsdp_core.plan.request import buffers_of
 from fsdp_core.plan.render import describe_op
-from fsdp_shell.flat_param import FlatParamHandle
-from fsdp_shell.simulated_world import SimulationError, WorldGeometry, simulate
-from fsdp_shell.unshard import UnshardRunner
+from fsdp_shell.units.flat_param import FlatParamHandle
+from fsdp_shell.runtime.reference_interpreter import SimulationError, WorldGeometry, simulate
+from fsdp_shell.units.unshard import UnshardRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted([*(ROOT / "fsdp_core").rglob("*.py"), *(ROOT / "fsdp_shell").rglob("*.py")])

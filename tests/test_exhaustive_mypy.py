@@ -44,7 +44,7 @@ ACTION_CONSUMERS = {
     ("fsdp_core/unshard/schedule.py", "action_name"),
     ("fsdp_core/unshard/verifier.py", "act"),
     ("fsdp_core/sim/timeline.py", "hook_actions"),
-    ("fsdp_shell/unshard.py", "run"),
+    ("fsdp_shell/units/unshard.py", "run"),
     ("fsdp_core/sim/iteration.py", "hook"),
 }
 """Every consumer of ``UnshardAction``."""
@@ -58,8 +58,8 @@ OP_CONSUMERS_AT_LEAST = {
     ("fsdp_core/sim/timeline.py", "_elementwise_bytes"),
     ("fsdp_core/sim/timeline.py", "run"),
     ("fsdp_core/plan/verifier.py", "step"),
-    ("fsdp_shell/interpreter.py", "_step"),
-    ("fsdp_shell/simulated_world.py", "_execute"),
+    ("fsdp_shell/runtime/interpreter.py", "_step"),
+    ("fsdp_shell/runtime/reference_interpreter.py", "_execute"),
 }
 """The consumers of ``Op`` this change made exhaustive; the source may hold more."""
 

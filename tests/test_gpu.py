@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core import Group, MixedPrecision, ShardingStrategy, Stream
 from fsdp_shell import FSDP
-from fsdp_shell.runtime import CudaRuntime
+from fsdp_shell.runtime.cpu import CudaRuntime
 from tests.dist_harness import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_core import Group
-from fsdp_shell.collective_log import Phase
+from fsdp_shell.runtime.log import Phase
 from tests.dist_harness import run_world
 from tests.runtime_cases import (
     MEASURED_STEPS,

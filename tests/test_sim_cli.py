@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_core.sim import format_seed_table, seed_calibration
-from fsdp_shell.sim_cli import main
+from fsdp_shell.cli.sim import main
 
 
 def test_prints_the_seed_table_and_a_timeline_per_row(capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,7 +80,7 @@ def test_unwritable_trace_directory_exits_2_with_one_line(capsys: pytest.Capture
 
 
 def test_console_script_runs_as_a_process() -> None:
-    done = subprocess.run([sys.executable, "-m", "fsdp_shell.sim_cli", "--no-timeline"],
+    done = subprocess.run([sys.executable, "-m", "fsdp_shell.cli.sim", "--no-timeline"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("PyTorch PR 106080")

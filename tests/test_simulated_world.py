@@ -48,7 +48,7 @@ from fsdp_core import (
     build_plan,
     check_plan,
 )
-from fsdp_shell.simulated_world import SimulationError, WorldGeometry, WorldResult, simulate
+from fsdp_shell.runtime.reference_interpreter import SimulationError, WorldGeometry, WorldResult, simulate
 
 SS = ShardingStrategy
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16

@@ -4,7 +4,7 @@ Only the public API: inside ``FSDP.state_dict_type(model, StateDictType.SHARDED_
 the model's ``state_dict()`` and ``FSDP.optim_state_dict`` hold DTensors under the original
 parameter names, so every rank writes only its shard and DCP reshards on load when the number
 of ranks differs. ``meta.json`` records what must match for a resume: the model's entries and
-their shapes. Saving and loading go through ``fsdp_shell.checkpoint`` (versions made current
+their shapes. Saving and loading go through ``fsdp_shell.state.checkpoint`` (versions made current
 atomically, files checked against a manifest).
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from fsdp_shell import checkpoint
+from fsdp_shell.state import checkpoint
 
 from fsdp_shell.fsdp import FullyShardedDataParallel
-from fsdp_shell.state_dict import StateDictType
+from fsdp_shell.state.state_dict import StateDictType
 
 __all__ = ["CheckpointMismatch", "load_checkpoint", "read_meta", "save_checkpoint"]
 
@@ -53,7 +53,7 @@ def layout_signature(state: dict[str, Any]) -> list[list[object]]:
 def save_checkpoint(directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer,
                     meta: dict[str, object]) -> None:
     """Write a new version of ``directory`` (collective) and make it current only when complete
-    (``fsdp_shell.checkpoint``): a run killed while saving leaves the previous checkpoint."""
+    (``fsdp_shell.state.checkpoint``): a run killed while saving leaves the previous checkpoint."""
     state = _state(model, opt)
     checkpoint.save_checkpoint(directory, state, dict(meta, layout=layout_signature(state)))
 

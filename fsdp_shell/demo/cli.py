@@ -35,12 +35,12 @@ from fsdp_core import (  # noqa: E402
     ShardingSpec,
     ShardingStrategy,
 )
-from fsdp_shell.cli_parser import OneLineErrorParser  # noqa: E402
+from fsdp_shell.cli.parser import OneLineErrorParser  # noqa: E402
 from fsdp_shell.demo.checkpoint import CheckpointError, read_meta  # noqa: E402
 from fsdp_shell.demo.model import ModelConfig  # noqa: E402
 from fsdp_shell.demo import models  # noqa: E402
 from fsdp_shell.demo.train import DemoConfig, RunResult, check_tolerance, run_rank  # noqa: E402
-from fsdp_shell.launch import run_world  # noqa: E402
+from fsdp_shell.cli.launch import run_world  # noqa: E402
 
 __all__ = ["main", "parse_config"]
 

@@ -22,7 +22,7 @@ from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo import models
 from fsdp_shell.demo.model import ModelConfig, lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
-from fsdp_shell.collective_log import CollectiveRecord
+from fsdp_shell.runtime.log import CollectiveRecord
 
 __all__ = ["DemoConfig", "RunResult", "reference_params", "run_rank"]
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from fsdp_shell.state_dict import StateDictSettings, StateDictType, full_tensor
+from fsdp_shell.state.state_dict import StateDictSettings, StateDictType, full_tensor
 
 if TYPE_CHECKING:
-    from fsdp_shell.flat_param import FlatParamHandle
+    from fsdp_shell.units.flat_param import FlatParamHandle
     from fsdp_shell.tree import Tree
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load"]

@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Protocol
 import torch
 
 from fsdp_core import Group, Stream
-from fsdp_shell.collective_log import CollectiveLog
+from fsdp_shell.runtime.log import CollectiveLog
 
 __all__ = ["CpuRuntime", "CudaRuntime", "Lane", "Runtime", "Waiter"]
 

@@ -139,7 +139,7 @@ def resolve_groups(
 def _check_tiling(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> None:
     """A hybrid pair must tile the world: this rank is the only rank in both groups, and shard
     size x replicate size is the world size (that every rank's pair fits the others' is checked
-    across ranks at the first forward, ``fsdp_shell.agreement``)."""
+    across ranks at the first forward, ``fsdp_shell.safety.agreement``)."""
     me = dist.get_rank()
     s, r = dist.get_process_group_ranks(shard), dist.get_process_group_ranks(replicate)
     world = dist.get_world_size()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_core import Event, HookEvent
-from fsdp_shell.collectives import all_gather_flat
+from fsdp_shell.runtime.collectives import all_gather_flat
 
 if TYPE_CHECKING:
     from fsdp_shell.tree import Tree

@@ -1,7 +1,7 @@
 """The one interpreter: run a plan's ops on real process groups, streams and tensors.
 
 ``PlanRun`` steps through a plan with one ``match`` over the closed op union. Where and when an
-op's work happens is the ``Runtime``'s business (``fsdp_shell.runtime``): on CUDA every op is
+op's work happens is the ``Runtime``'s business (``fsdp_shell.runtime.cpu``): on CUDA every op is
 enqueued on its plan stream; on CPU an op runs in the hook when its operands are ready and on
 the lane when it waits for a collective. A run binds each input as its ``Input`` op comes and
 holds a buffer only until the plan frees it.
@@ -45,9 +45,9 @@ from fsdp_core import (
     WaitStream,
 )
 from fsdp_core.plan.request import buffers_of
-from fsdp_shell.collective_log import CollectiveLog
-from fsdp_shell.collectives import gloo_reduce_scatter, reduce_scatter_flat
-from fsdp_shell.runtime import Runtime, Waiter
+from fsdp_shell.runtime.log import CollectiveLog
+from fsdp_shell.runtime.collectives import gloo_reduce_scatter, reduce_scatter_flat
+from fsdp_shell.runtime.cpu import Runtime, Waiter
 
 __all__ = ["CarriedInputs", "CommHookFn", "ExecContext", "PlanOwner", "PlanRun", "to_reduce_op"]
 

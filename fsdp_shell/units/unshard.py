@@ -28,7 +28,7 @@ from fsdp_core import (
     check_unshard,
     plan_unshard,
 )
-from fsdp_shell.flat_param import FlatParamHandle
+from fsdp_shell.units.flat_param import FlatParamHandle
 
 __all__ = ["UnshardRunner"]
 

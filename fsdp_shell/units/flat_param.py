@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_shell.collectives import all_gather_flat
-from fsdp_shell.collective_log import CollectiveLog
+from fsdp_shell.runtime.collectives import all_gather_flat
+from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_core import (
     FlatParamLayout,
     Group,

@@ -49,7 +49,7 @@ from fsdp_core import ( # noqa: E402
     unshard_to_json,
 )
 from fsdp_core.sim import format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
-from fsdp_shell.cli_parser import OneLineErrorParser
+from fsdp_shell.cli.parser import OneLineErrorParser
 
 __all__ = ["main", "parse_backward_prefetch", "parse_dtype", "plan_from_args", "unshard_from_args"]
 

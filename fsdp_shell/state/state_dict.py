@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.modules.module import _IncompatibleKeys
 
 if TYPE_CHECKING:
-    from fsdp_shell.flat_param import FlatParamHandle
+    from fsdp_shell.units.flat_param import FlatParamHandle
     from fsdp_shell.tree import Tree
 
 __all__ = [

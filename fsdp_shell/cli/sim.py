@@ -28,7 +28,7 @@ from fsdp_core.sim import (
     iteration_to_trace,
     seed_calibration,
 )
-from fsdp_shell.cli_parser import OneLineErrorParser
+from fsdp_shell.cli.parser import OneLineErrorParser
 
 __all__ = ["build_parser", "main", "write_traces"]
 
