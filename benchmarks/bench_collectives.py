@@ -1,4 +1,4 @@
-"""Gloo reduce-scatter, three ways, on loopback: what ``fsdp_shell.runtime.interpreter`` chooses from.
+"""Gloo reduce-scatter, three ways, on loopback: what ``fsdp_shell.runtime.cpu`` chooses from.
 
 Run on demand: ``python benchmarks/bench_collectives.py [--nproc 2]``.
 

@@ -76,7 +76,6 @@ from fsdp_core.sim import ( # noqa: E402
     CollectiveSample,
     IterationTimeline,
     Link,
-    LinkModel,
     Load,
     MeasuredUnit,
     Measurements,
@@ -196,9 +195,10 @@ def _block_collectives(numel: int, groups: dict[str, dist.ProcessGroup],
                        replicate: dist.ProcessGroup) -> dict[tuple[str, str], tuple[int, Started]]:
     """Every collective FSDP issues for a unit of ``numel`` parameters, as the runtime issues it:
     the all-gather into a fresh buffer (an unshard allocates one), the reduce-scatter by
-    ``collectives.gloo_reduce_scatter``, the replicate all-reduce of one shard. Keys
+    ``fsdp_shell.runtime.cpu.gloo_reduce_scatter``, the replicate all-reduce of one shard. Keys
     (collective, link); values (bytes as ``CollectiveSample.nbytes`` counts them, the issuer)."""
-    from fsdp_shell.runtime.collectives import all_gather_flat, gloo_reduce_scatter
+    from fsdp_shell.runtime.collectives import all_gather_flat
+    from fsdp_shell.runtime.cpu import gloo_reduce_scatter
 
     def waiter(work: dist.Work | None) -> Callable[[], None]:
         assert work is not None
@@ -223,7 +223,7 @@ def _block_collectives(numel: int, groups: dict[str, dist.ProcessGroup],
 
         def scatter(group: dist.ProcessGroup = group, full: torch.Tensor = full, size: int = size
                     ) -> Callable[[], None]:
-            return gloo_reduce_scatter(torch.empty(full.numel() // size), full, group, may_overwrite_src=False)
+            return gloo_reduce_scatter(torch.empty(full.numel() // size), full, group, may_overwrite_src=False).wait
 
         out[("all_gather", link)] = (padded * 4, gather)
         out[("reduce_scatter", link)] = (padded * 4, scatter)

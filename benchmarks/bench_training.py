@@ -147,7 +147,7 @@ def bench(rank: int, world: int, arg: tuple[str, int]) -> dict[str, object]:
     ours = models["ours"]
     assert isinstance(ours, FSDP)
     cache = ours._tree.plans
-    plans = [ours._tree.plans(h.request) for h in ours._flat_handles()]
+    plans = [ours._tree.plans(ours._tree.settings.request(h.request)) for h in ours._flat_handles()]
     start = time.perf_counter()
     for plan in plans:
         check_plan(plan)

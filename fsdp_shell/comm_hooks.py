@@ -9,19 +9,22 @@ PyTorch's own ``DefaultState`` works as ``state``.
 
 from __future__ import annotations
 
-from typing import Protocol
+import inspect
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from fsdp_core import CommHook, fsdp1_predivide_factor
+from fsdp_core import CommHook, ShardingStrategy, fsdp1_predivide_factor
 from fsdp_shell.runtime.collectives import reduce_scatter_flat
+from fsdp_shell.runtime.interpreter import CommHookFn
 
 __all__ = [
     "DefaultState",
     "HookState",
     "allreduce_hook",
     "bf16_compress_hook",
+    "bind",
     "builtin_kind",
     "fp16_compress_hook",
     "reduce_scatter_hook",
@@ -106,3 +109,37 @@ def builtin_kind(hook: object) -> CommHook:
         "bf16_compress_hook": CommHook.BF16_COMPRESS,
     }
     return kinds.get(name, CommHook.USER) if ours else CommHook.USER
+
+
+def bind(state: object, hook: Callable[..., Any], strategy: ShardingStrategy) -> tuple[CommHookFn, CommHook]:
+    """``hook`` with its ``state``, as the plans call it (``hook(state, grad, output)`` for sharded
+    strategies, ``hook(state, grad)`` otherwise), and its name in the plans. A hook that cannot
+    take the call is refused now (``TypeError`` naming ``hook``) rather than half-way through a
+    backward."""
+    if not callable(hook):
+        raise TypeError(f"hook: expected a callable, got {hook!r}")
+    _check_signature(hook, state, strategy)
+
+    def bound(grad: torch.Tensor, output: torch.Tensor | None) -> None:
+        if output is None:
+            hook(state, grad)
+        else:
+            hook(state, grad, output)
+
+    return bound, builtin_kind(hook)
+
+
+def _check_signature(hook: Callable[..., Any], state: object, strategy: ShardingStrategy) -> None:
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return
+    args: tuple[object, ...] = (state, None, None) if strategy.is_sharded else (state, None)
+    try:
+        signature.bind(*args)
+    except TypeError:
+        wanted = "hook(state, grad, output)" if strategy.is_sharded else "hook(state, grad)"
+        name = getattr(hook, "__name__", repr(hook))
+        advice = (" (torch's allreduce_hook is for NO_SHARD; use reduce_scatter_hook)"
+                  if strategy.is_sharded and name == "allreduce_hook" else "")
+        raise TypeError(f"hook: {strategy.name} calls {wanted}, which {name}{signature} cannot take{advice}") from None

@@ -1,8 +1,18 @@
-"""Accept ``torch.distributed.fsdp``'s config objects as well as fsdp_core's, mapped by name."""
+"""The constructor's arguments that shape a whole FSDP tree, validated before any collective.
+
+``parse_options`` checks every argument that needs no process group (``ValueError``/``TypeError``
+naming it) and returns one frozen ``Options``. ``torch.distributed.fsdp``'s config objects are
+accepted as well as fsdp_core's, mapped by name (``to_*``); ``wrap_policy`` turns
+``auto_wrap_policy`` into a predicate on modules.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+from torch import nn
 
 from fsdp_core import (
     BackwardPrefetch,
@@ -15,13 +25,89 @@ from fsdp_core import (
 )
 
 __all__ = [
+    "Options",
+    "WrapPolicy",
+    "flag",
+    "parse_options",
     "to_backward_prefetch",
     "to_cpu_offload",
     "to_division_policy",
     "to_hybrid_all_reduce",
     "to_mixed_precision",
     "to_sharding_strategy",
+    "wrap_policy",
 ]
+
+WrapPolicy = Callable[[nn.Module], bool]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    """The constructor's arguments that shape the whole tree, validated."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision
+    offload: CPUOffload
+    use_orig_params: bool
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    division_policy: DivisionPolicy
+    hybrid_all_reduce: HybridAllReduce
+    wrap: WrapPolicy | None
+    ranks_may_diverge: bool = False
+
+
+def parse_options(
+    *, sharding_strategy: object, cpu_offload: object, auto_wrap_policy: object, mixed_precision: object,
+    use_orig_params: object, backward_prefetch: object, forward_prefetch: object, division_policy: object,
+    hybrid_all_reduce: object, ranks_may_diverge: object = False,
+) -> Options:
+    """Every argument checked on its own and against the others; ``ValueError``/``TypeError``
+    naming the argument."""
+    strategy = to_sharding_strategy(ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy)
+    placement = to_hybrid_all_reduce(hybrid_all_reduce)
+    if placement is HybridAllReduce.SYNC and not strategy.is_hybrid:
+        raise ValueError(f"hybrid_all_reduce: 'sync' places the replicate all-reduce of hybrid strategies; "
+                         f"{strategy.name} has none (leave it 'async')")
+    return Options(
+        strategy=strategy, mixed_precision=to_mixed_precision(mixed_precision), offload=to_cpu_offload(cpu_offload),
+        use_orig_params=flag("use_orig_params", use_orig_params),
+        backward_prefetch=to_backward_prefetch(backward_prefetch),
+        forward_prefetch=flag("forward_prefetch", forward_prefetch), division_policy=to_division_policy(division_policy),
+        hybrid_all_reduce=placement, wrap=wrap_policy(auto_wrap_policy),
+        ranks_may_diverge=flag("ranks_may_diverge", ranks_may_diverge),
+    )
+
+
+def flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool; ``TypeError`` naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+def wrap_policy(auto_wrap_policy: object) -> WrapPolicy | None:
+    """``auto_wrap_policy`` as a predicate on modules; ``TypeError`` naming it otherwise."""
+    if auto_wrap_policy is None:
+        return None
+    if isinstance(auto_wrap_policy, type) and issubclass(auto_wrap_policy, nn.Module):
+        raise TypeError(f"auto_wrap_policy: got the class {auto_wrap_policy.__name__} itself; pass a set of classes, "
+                        f"{{{auto_wrap_policy.__name__}}}, or ModuleWrapPolicy({{{auto_wrap_policy.__name__}}})")
+    classes = getattr(auto_wrap_policy, "_module_classes", None)
+    if classes is not None:
+        auto_wrap_policy = set(classes)
+    if isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
+        kinds = tuple(auto_wrap_policy)
+        if not all(isinstance(k, type) and issubclass(k, nn.Module) for k in kinds):
+            raise TypeError("auto_wrap_policy: a set must hold nn.Module classes")
+        return lambda m: isinstance(m, kinds)
+    if callable(auto_wrap_policy):
+        policy = auto_wrap_policy
+        return lambda m: bool(policy(m))
+    raise TypeError(
+        "auto_wrap_policy: expected None, a set of nn.Module classes, a callable(module) -> bool, "
+        f"or torch's ModuleWrapPolicy; got {auto_wrap_policy!r}"
+    )
 
 
 def to_sharding_strategy(value: object) -> ShardingStrategy:

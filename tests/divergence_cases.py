@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell import FSDP
-from fsdp_shell.safety.agreement import CollectiveTimeoutError
+from fsdp_shell.safety.timeouts import CollectiveTimeoutError
 
 
 class Block(nn.Module):

@@ -201,7 +201,7 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     topt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9) if theirs is not None else None
-    collectives = model._tree.ctx.log.records
+    collectives = model._tree.log.records
 
     def ours_no_sync() -> contextlib.AbstractContextManager[None]:
         return _counting(model.no_sync(), collectives, outcome)

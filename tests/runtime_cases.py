@@ -172,7 +172,7 @@ def _lifetimes(strategy: ShardingStrategy, orig: bool) -> Lifetimes:
                                              if p.numel())
     else:
         seen.originals_alive = sum(r() is not None for r in originals)
-    runtime = model._tree.ctx.runtime
+    runtime = model._tree.runtime
     earlier: list[tuple[str, weakref.ref[torch.Tensor]]] = []
     this_step: list[tuple[str, weakref.ref[torch.Tensor]]] = []
 
@@ -238,24 +238,33 @@ def _prefetched(backward_prefetch: str | None, forward_prefetch: bool, rank: int
     root = handles[-1]
     phase = ["forward"]
 
-    def watch(handle: FlatParamHandle) -> None:
-        start = handle.start_unshard
+    held: set[int] = set()
+    """Non-root units whose all-gather was issued and that have not been resharded since."""
+
+    def watch(index: int, handle: FlatParamHandle) -> None:
+        start, free = handle.start_unshard, handle.free_unsharded
 
         def counted() -> bool:
             issued = start()
-            busy = sum(h.unsharded or h.gathering for h in handles if h is not root)
-            seen.max_gathered[phase[0]] = max(seen.max_gathered.get(phase[0], 0), busy)
+            if issued and handle is not root:
+                held.add(index)
+            seen.max_gathered[phase[0]] = max(seen.max_gathered.get(phase[0], 0), len(held))
             return issued
 
-        handle.start_unshard = counted  # type: ignore[method-assign]  # test-only instrumentation
+        def freed() -> None:
+            free()
+            held.discard(index)
 
-    for h in handles:
-        watch(h)
+        handle.start_unshard = counted  # type: ignore[method-assign]  # test-only instrumentation
+        handle.free_unsharded = freed  # type: ignore[method-assign]  # test-only instrumentation
+
+    for i, h in enumerate(handles):
+        watch(i, h)
     model.register_forward_hook(lambda *_: phase.__setitem__(0, "backward"))
     ref = make_model(32, 5)
     seen.ref_diff = _train_against_reference(model, ref, rank, world, steps=2)
     seen.max_gathered.clear()
-    log = model._tree.ctx.log
+    log = model._tree.log
     before = len(log.records)
     phase[0] = "forward"
     _train_against_reference(model, ref, rank, world, steps=1)

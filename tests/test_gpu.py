@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_core import Group, MixedPrecision, ShardingStrategy, Stream
+from fsdp_core import MixedPrecision, ShardingStrategy, Stream
 from fsdp_shell import FSDP
-from fsdp_shell.runtime.cpu import CudaRuntime
+from fsdp_shell.runtime.cuda import CudaRuntime
 from tests.dist_harness import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -76,26 +76,21 @@ def _train(strategy: ShardingStrategy, *, mp: MixedPrecision | None = None, slow
 def _slow_stream(model: FSDP, stream: Stream) -> None:
     """Enqueue ~20 ms of sleep before every op and collective on ``stream``, so the streams that
     hand it buffers run far ahead and reuse freed memory as early as the allocator allows."""
-    runtime = model._tree.ctx.runtime
+    runtime = model._tree.runtime
     assert isinstance(runtime, CudaRuntime)
     slow = runtime.streams[stream]
-    compute, collective = runtime.compute, runtime.collective
 
-    def sleep_first(on: Stream) -> None:
-        if on is stream:
-            with torch.cuda.stream(slow):
-                torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # unannotated in torch
+    def slowed(method: Callable[..., None]) -> Callable[..., None]:
+        def run(on: Stream, *args: Any, **kwargs: Any) -> None:
+            if on is stream:
+                with torch.cuda.stream(slow):
+                    torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # unannotated in torch
+            method(on, *args, **kwargs)
 
-    def slow_compute(on: Stream, deferred: bool, work: Callable[[], object]) -> None:
-        sleep_first(on)
-        compute(on, deferred, work)
+        return run
 
-    def slow_collective(on: Stream, group: Group, pending: bool, issue: Callable[[], Callable[[], None] | None]) -> bool:
-        sleep_first(on)
-        return collective(on, group, pending, issue)
-
-    runtime.compute = slow_compute  # type: ignore[method-assign,assignment]  # test-only instrumentation
-    runtime.collective = slow_collective  # type: ignore[method-assign,assignment]  # test-only instrumentation
+    for name in ("compute", "reduce_scatter", "all_reduce", "comm_hook"):
+        setattr(runtime, name, slowed(getattr(runtime, name)))  # test-only instrumentation
 
 
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
@@ -105,7 +100,7 @@ def test_world_size_1_nccl_trains_like_a_plain_model(nccl_world: None, strategy:
 
 def test_plan_streams_are_distinct_cuda_streams(nccl_world: None) -> None:
     model = FSDP(Deep().cuda(), device_id=torch.device("cuda", 0))
-    runtime = model._tree.ctx.runtime
+    runtime = model._tree.runtime
     assert isinstance(runtime, CudaRuntime)
     cuda = {s: runtime.streams[s] for s in Stream}
     assert len({id(c) for c in cuda.values()}) == len(Stream)

@@ -144,10 +144,9 @@ class PlanRequest:
     @property
     def reshards_after_backward(self) -> bool:
         """Whether the unsharded parameter is freed by the end of this backward (by the plan when
-        ``should_free_in_backward``, else at the end of backward): always when gradients are
-        synchronised; inside ``no_sync`` only by strategies that reshard after forward anyway,
-        so the ZeRO-2 strategies and ``NO_SHARD`` keep it for the next accumulation step."""
-        return self.flags.sync_gradients or self.sharding.strategy.reshards_after_forward
+        ``should_free_in_backward``, else at the end of backward):
+        ``ShardingStrategy.reshards_after_backward``."""
+        return self.sharding.strategy.reshards_after_backward(self.flags.sync_gradients)
 
 
 def _check_types(request: PlanRequest) -> None:

@@ -79,6 +79,13 @@ class ShardingStrategy(enum.Enum):
         strategies keep it from forward to backward."""
         return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
+    def reshards_after_backward(self, sync_gradients: bool) -> bool:
+        """Whether the unsharded parameter is freed by the end of a backward: always when
+        gradients are synchronised; inside ``no_sync`` only by strategies that reshard after
+        forward anyway, so the ZeRO-2 strategies and ``NO_SHARD`` keep it for the next
+        accumulation step (FSDP1's ``_should_free_in_backward`` for the sharded ones)."""
+        return sync_gradients or self.reshards_after_forward
+
     @classmethod
     def parse(cls, name: str) -> ShardingStrategy:
         """Return the member called ``name`` (case-insensitive), or raise ``ValueError``."""

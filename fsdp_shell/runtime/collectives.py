@@ -1,5 +1,5 @@
 """The flat-tensor collectives: all-gather and reduce-scatter through the long-standing entry
-points, and the reduce-scatter gloo lacks.
+points, and the plan's reduce ops as ``torch.distributed``'s.
 
 torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in favour of
 ``all_gather_single``/``reduce_scatter_single``; torch 2.4 has only the old names, which every
@@ -10,14 +10,30 @@ locally.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _make_nccl_premul_sum
+from typing_extensions import assert_never
 
-__all__ = ["ALL_TO_ALL_MAX_BYTES", "all_gather_flat", "gloo_reduce_scatter", "reduce_scatter_flat"]
+from fsdp_core import ReduceKind, ReduceOpSpec
+
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "to_reduce_op"]
 
 _DEPRECATED = r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def to_reduce_op(spec: ReduceOpSpec) -> dist.ReduceOp:
+    """The ``torch.distributed`` reduce op for ``spec``."""
+    match spec.kind:
+        case ReduceKind.SUM:
+            return dist.ReduceOp(dist.ReduceOp.SUM)
+        case ReduceKind.AVG:
+            return dist.ReduceOp(dist.ReduceOp.AVG)
+        case ReduceKind.PREMUL_SUM:
+            return _make_nccl_premul_sum(spec.premul)
+        case _:
+            assert_never(spec.kind)
 
 
 def all_gather_flat(
@@ -43,44 +59,3 @@ def reduce_scatter_flat(
         warnings.filterwarnings("ignore", message=_DEPRECATED, category=FutureWarning)
         work: dist.Work | None = dist.reduce_scatter_tensor(output, input, op=reduce_op, group=group, async_op=async_op)
     return work
-
-
-ALL_TO_ALL_MAX_BYTES = 4 << 20
-"""Gloo reduce-scatters of inputs up to this size go by all-to-all (fast, one more buffer)."""
-
-
-def gloo_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, *,
-                        may_overwrite_src: bool) -> Callable[[], None]:
-    """A summing reduce-scatter on gloo, which has none of its own (torch emulates it with an
-    all-reduce of a copy of ``src``: twice the bytes of a reduce-scatter, one more buffer).
-
-    Up to ``ALL_TO_ALL_MAX_BYTES``, or when ``src`` must survive: an all-to-all (every rank
-    sends each other rank its chunk, the bytes of a ring reduce-scatter) into a receive buffer
-    and a local sum of the chunks, 4-8x faster than torch's emulation on loopback
-    (``benchmarks/bench_collectives.py``). Larger inputs the plan frees right after: an
-    in-place all-reduce of ``src`` and a copy of this rank's chunk, which needs no buffer
-    beyond ``src`` and ``dst``, as the unsharded gradient dominates memory there."""
-    if may_overwrite_src and src.numel() * src.element_size() > ALL_TO_ALL_MAX_BYTES:
-        work = dist.all_reduce(src, group=group, async_op=True)
-        chunk = src.narrow(0, group.rank() * dst.numel(), dst.numel())
-
-        def land_chunk() -> None:
-            work.wait()
-            dst.copy_(chunk)
-
-        return land_chunk
-    chunks = torch.empty_like(src)
-    exchange = dist.all_to_all_single(chunks, src, group=group, async_op=True)
-
-    def land_sum() -> None:
-        exchange.wait()
-        first, *rest = chunks.view(group.size(), -1)
-        if rest:
-            torch.add(first, rest[0], out=dst)
-            for chunk in rest[1:]:
-                dst.add_(chunk)
-        else:
-            dst.copy_(first)
-        assert src.numel()
-
-    return land_sum

@@ -1,11 +1,10 @@
-"""Where a plan's ops run: CUDA streams, or the host thread and one lane thread on the CPU.
+"""The CPU runtime: plan ops on the host thread when their operands are ready, on one lane thread
+when they must wait for a collective.
 
-- ``CudaRuntime``: every op is enqueued from the hook on the CUDA stream its plan stream maps
-  to; waits are ``wait_stream``, ``record_stream`` tells the caching allocator.
-- ``CpuRuntime``: there is no device queue, so an op runs on the host thread that reaches it,
-  unless it must wait for an asynchronous collective: then it is deferred to the ``Lane``, one
-  FIFO worker thread that waits for the collective (``Work.wait()``) and then runs what depends
-  on it, while the hook returns and autograd goes on.
+There is no device queue on a CPU, so an op runs on the host thread that reaches it, unless it
+must wait for an asynchronous collective: then it is deferred to the ``Lane``, one FIFO worker
+thread that waits for the collective (``Work.wait()``) and then runs what depends on it, while
+the hook returns and autograd goes on.
 
 Every process group has exactly one issuer, so collectives are issued in the same order on
 every rank whatever the timing: the host thread inside the hooks for the shard group (and the
@@ -14,27 +13,32 @@ all-gathers), the lane for the replicate group. Nothing polls for completion.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import queue
 import threading
-from typing import Callable, Mapping, Protocol
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from fsdp_core import Group, Stream
+from fsdp_core import Group, ReduceKind, ReduceOpSpec, Stream
+from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, to_reduce_op
+from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
+from fsdp_shell.runtime.protocol import Pending
 
-__all__ = ["CpuRuntime", "CudaRuntime", "Lane", "Runtime", "Waiter"]
+__all__ = ["ALL_TO_ALL_MAX_BYTES", "ASYNC_GATHER_MAX_BYTES", "CpuRuntime", "Lane", "gloo_reduce_scatter"]
 
-Waiter = Callable[[], None]
-"""Blocks until an issued collective's result is in place (on CUDA: makes the stream wait)."""
+ASYNC_GATHER_MAX_BYTES = 4 << 20
+"""On CPU, all-gathers up to this size stay in flight while the host goes on (prefetch);
+larger ones land before ``all_gather`` returns. Gloo gathers through a temporary buffer the
+size of the output, and a large one in flight during the next unit's backward raises the peak
+above FSDP1's (synchronous on CPU) by that much (``benchmarks/bench_training.py``, "large")."""
 
 
 class Lane:
     """One FIFO worker thread that runs, in submission order, CPU work waiting for collectives.
 
-    ``submit`` returns a ticket; ``wait_for(ticket)`` blocks until that work is done. ``drain``
+    ``submit`` returns a ticket; ``done(ticket)`` says whether that work has run. ``drain``
     blocks until everything submitted has run and re-raises the first failure; after a failure
     the rest of the queue is skipped, so nothing runs on a half-reduced gradient."""
 
@@ -45,13 +49,12 @@ class Lane:
         self._log = log
         self._submitted = 0
         self._done = 0
-        self._progress = threading.Condition()
 
     def submit(self, work: Callable[[], object]) -> int:
         """Run ``work`` on the lane after everything submitted before it; returns its ticket."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="fsdp-lane", daemon=True)
-            self._log._lane_thread = self._thread
+            self._log.mark_lane(self._thread)
             self._thread.start()
         self._submitted += 1
         self._queue.put(work)
@@ -60,11 +63,6 @@ class Lane:
     def done(self, ticket: int) -> bool:
         """Whether the work with ``ticket`` has run (or been skipped after a failure)."""
         return self._done >= ticket
-
-    def wait_for(self, ticket: int) -> None:
-        """Block until the work with ``ticket`` has run (or been skipped after a failure)."""
-        with self._progress:
-            self._progress.wait_for(lambda: self._done >= ticket)
 
     def _serve(self) -> None:
         while True:
@@ -76,9 +74,7 @@ class Lane:
                 self._error = error
             finally:
                 del work
-                with self._progress:
-                    self._done += 1
-                    self._progress.notify_all()
+                self._done += 1
                 self._queue.task_done()
 
     def drain(self) -> None:
@@ -89,109 +85,118 @@ class Lane:
             raise RuntimeError(f"a post-backward op deferred to the lane failed: {error}") from error
 
 
-class Runtime(Protocol):
-    """Where a plan's ops run: CUDA streams, or the host thread and the lane."""
-
-    def allocating(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
-        """Allocate under ``stream`` (so the caching allocator attributes the block to it)."""
-
-    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> bool:
-        """Run element-wise ``work`` in ``stream``'s order (``deferred``: after pending
-        collectives); returns whether it was deferred (its operands pending afterwards)."""
-
-    def collective(self, stream: Stream, group: Group, operands_pending: bool,
-                   issue: Callable[[], Waiter | None]) -> bool:
-        """Issue a collective through ``group``'s one issuer; returns whether its operands are
-        pending afterwards (its result not yet in place)."""
-
-    def wait_stream(self, stream: Stream, waits_for: Stream) -> None:
-        """``stream`` waits for the work enqueued on ``waits_for`` so far."""
-
-    def end_of_backward(self, stream: Stream, waits_for: Stream) -> None:
-        """At the end of backward: ``stream`` (and the host, where results go to the host) waits
-        for everything on ``waits_for``."""
-
-    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
-        """``tensor`` is in use on ``stream`` (caching allocator bookkeeping)."""
-
-    def drain(self) -> None:
-        """Block until all work issued so far has completed."""
-
-    def after_host_copy(self, stream: Stream) -> None:
-        """A non-blocking device-to-host copy was enqueued on ``stream``; the end of backward
-        must wait for it on the host."""
-
-
 class CpuRuntime:
     """Ops run on the host thread when ready, on the lane when they must wait.
 
-    An op goes to the lane when it touches an operand a collective has not produced yet, or
-    when its stream already has work on the lane (stream order, as on a CUDA stream: with
+    Work goes to the lane when a tensor it uses was last used by work still on the lane, or when
+    its stream already has work there (stream order, as on a CUDA stream: with
     ``hybrid_all_reduce="sync"`` the next unit's reduce-scatter waits behind this unit's
-    all-reduce on the post-backward stream). A collective goes to the lane only if its group
-    is in ``lane_may_issue``: the replicate group always; the shard group only when the
-    all-gathers have a group of their own, so the host issues nothing else on it. Otherwise the
-    host first waits for the lane to catch up, then issues it itself. Either way each group's
-    collectives are issued one after another by one thread at a time, in program order.
+    all-reduce on the post-backward stream). A collective goes to the lane only if its group is
+    one the lane issues: the replicate group always; the shard group too when the all-gathers
+    have a group of their own (``lane_issues_shard``), so the host issues nothing else on it.
+    Otherwise the host first waits for the lane to catch up, then issues it itself and waits for
+    it: a shard-group reduction still in flight would hold a unit's unsharded gradient while the
+    next unit's backward allocates its own, which on a CPU with no device of its own buys no speed
+    on gloo and costs that much peak memory over FSDP1 (``benchmarks/bench_training.py``). Either
+    way each group's collectives are issued one after another by one thread at a time, in program
+    order. The replicate all-reduce, the slow inter-node one, is issued by the lane and overlaps
+    later backward work."""
 
-    At most ``max_in_flight`` collectives issued by the host thread are outstanding: before
-    issuing another, the hook waits for the oldest to land. The default, 0, lands each one
-    inside its own hook: a shard-group reduction still in flight holds a unit's unsharded
-    gradient while the next unit's backward allocates its own, which on a CPU with no device
-    of its own buys no speed on gloo and costs that much peak memory over FSDP1 (measured by
-    ``benchmarks/bench_training.py``: +25-35 MiB, +25%, on 8 units of 2048 x 2048 with 1; equal
-    with 0). The replicate all-reduce, the slow inter-node one, is issued by the lane and
-    overlaps later backward work either way."""
-
-    LANE_GROUPS = frozenset({Group.REPLICATE})
-    """Groups whose collectives the lane issues (all of them, always): the replicate
-    all-reduce reads a reduce-scatter's result, so only the lane can issue it without blocking."""
-
-    def __init__(self, log: CollectiveLog, max_in_flight: int = 0,
-                 lane_may_issue: frozenset[Group] = LANE_GROUPS) -> None:
+    def __init__(self, groups: ProcessGroups, log: CollectiveLog, *, lane_issues_shard: bool = False) -> None:
         self.lane = Lane(log)
-        self.max_in_flight = max_in_flight
-        self.lane_may_issue = lane_may_issue | self.LANE_GROUPS
-        self._in_flight: collections.deque[int] = collections.deque()
+        self._groups = groups
+        self._log = log
+        self._gloo = groups.backend == "gloo"
+        self._lane_issues = frozenset({Group.REPLICATE, Group.SHARD} if lane_issues_shard else {Group.REPLICATE})
         self._tail: dict[Stream | Group, int] = {}
+        """The ticket of the last lane work of each stream and group."""
+        self._last_use: dict[int, int] = {}
+        """By ``id`` of a tensor: the ticket of the last lane work that used it. A tensor cannot
+        be freed (and its ``id`` reused) while that work has not run: the work holds it."""
 
-    def _busy(self, *keys: Stream | Group) -> bool:
-        return any(not self.lane.done(self._tail.get(k, 0)) for k in keys)
+    # -- ordering ------------------------------------------------------------------------------
 
-    def _enqueue(self, work: Callable[[], object], *keys: Stream | Group) -> int:
+    def _behind(self, keys: tuple[Stream | Group, ...], uses: tuple[torch.Tensor, ...]) -> bool:
+        lane = self.lane
+        return (any(not lane.done(self._tail.get(k, 0)) for k in keys)
+                or any(not lane.done(self._last_use.get(id(t), 0)) for t in uses))
+
+    def _defer(self, work: Callable[[], object], keys: tuple[Stream | Group, ...],
+               uses: tuple[torch.Tensor, ...]) -> None:
         ticket = self.lane.submit(work)
         for key in keys:
             self._tail[key] = ticket
-        return ticket
+        for t in uses:
+            self._last_use[id(t)] = ticket
 
-    def allocating(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext()
-
-    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> bool:
-        if deferred or self._busy(stream):
-            self._enqueue(work, stream)
-            return True
-        work()
-        return False
-
-    def collective(self, stream: Stream, group: Group, operands_pending: bool,
-                   issue: Callable[[], Waiter | None]) -> bool:
-        behind = operands_pending or self._busy(stream, group)
-        if group in self.LANE_GROUPS or (behind and group in self.lane_may_issue):
-            self._enqueue(lambda: _issue_and_wait(issue), stream, group)
-            return True
+    def _collective(self, stream: Stream, group: Group, issue: Callable[[], Pending | None],
+                    uses: tuple[torch.Tensor, ...]) -> None:
+        keys = (stream, group)
+        behind = self._behind(keys, uses)
+        if group is Group.REPLICATE or (behind and group in self._lane_issues):
+            self._defer(lambda: _issue_and_wait(issue), keys, uses)
+            return
         if behind:
             self.drain()
-        while self._in_flight and len(self._in_flight) >= self.max_in_flight:
-            self.lane.wait_for(self._in_flight.popleft())
-        waiter = issue()
-        if waiter is None:
-            return False
-        if self.max_in_flight == 0:
-            waiter()
-            return False
-        self._in_flight.append(self._enqueue(waiter, stream, group))
-        return True
+        _issue_and_wait(issue)
+
+    # -- the Runtime protocol ------------------------------------------------------------------
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device, stream: Stream) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def compute(self, stream: Stream, work: Callable[[], object], uses: tuple[torch.Tensor, ...]) -> None:
+        if self._behind((stream,), uses):
+            self._defer(work, (stream,), uses)
+        else:
+            work()
+
+    def on_host(self, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
+        if self._behind((), uses):
+            self.drain()
+        work()
+
+    def reduce_scatter(self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor,
+                       op: ReduceOpSpec, *, src_dies: bool) -> None:
+        pg = self._groups.of(group)
+        summing_on_gloo = self._gloo and op.kind is ReduceKind.SUM
+
+        def issue() -> Pending | None:
+            self._log.add("reduce_scatter", group, src.dtype, src.numel())
+            if summing_on_gloo:
+                return gloo_reduce_scatter(dst, src, pg, may_overwrite_src=src_dies)
+            work = reduce_scatter_flat(dst, src, pg, to_reduce_op(op), async_op=True)
+            return None if work is None else Pending(work, (src, dst))
+
+        self._collective(stream, group, issue, (src, dst))
+
+    def all_reduce(self, stream: Stream, group: Group, tensor: torch.Tensor, op: ReduceOpSpec) -> None:
+        pg = self._groups.of(group)
+
+        def issue() -> Pending | None:
+            self._log.add("all_reduce", group, tensor.dtype, tensor.numel())
+            work = dist.all_reduce(tensor, op=to_reduce_op(op), group=pg, async_op=True)
+            return None if work is None else Pending(work, (tensor,))
+
+        self._collective(stream, group, issue, (tensor,))
+
+    def comm_hook(self, stream: Stream, group: Group, call: Callable[[], None], src: torch.Tensor,
+                  out: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        def issue() -> None:
+            self._log.add("comm_hook", group, wire_dtype, src.numel())
+            call()
+
+        self._collective(stream, group, issue, (src, out))
+
+    def to_host(self, stream: Stream, src: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if src.device.type == "cpu":
+            return src
+        dst = buffer()
+        self.compute(stream, lambda: dst.copy_(src), (src, dst))
+        return dst
 
     def wait_stream(self, stream: Stream, waits_for: Stream) -> None:
         return None
@@ -203,59 +208,61 @@ class CpuRuntime:
         return None
 
     def drain(self) -> None:
-        self._in_flight.clear()
         self._tail.clear()
+        self._last_use.clear()
         self.lane.drain()
 
-    def after_host_copy(self, stream: Stream) -> None:
-        return None
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
+        self._log.add("all_gather", Group.SHARD, out.dtype, out.numel())
+        work = all_gather_flat(out, src, self._groups.gather_group, async_op=True)
+        if work is None:
+            return None
+        pending = Pending(work, (src, out))
+        if out.nbytes > ASYNC_GATHER_MAX_BYTES:
+            pending.wait()
+            return None
+        return pending
 
 
-def _issue_and_wait(issue: Callable[[], Waiter | None]) -> None:
-    waiter = issue()
-    if waiter is not None:
-        waiter()
+def _issue_and_wait(issue: Callable[[], Pending | None]) -> None:
+    pending = issue()
+    if pending is not None:
+        pending.wait()
 
 
-class CudaRuntime:
-    """Every op enqueued from the hook on its plan stream's CUDA stream."""
+ALL_TO_ALL_MAX_BYTES = 4 << 20
+"""Gloo reduce-scatters of inputs up to this size go by all-to-all (fast, one more buffer)."""
 
-    def __init__(self, streams: Mapping[Stream, torch.cuda.Stream]) -> None:
-        self.streams = streams
-        self._host_copies: list[torch.cuda.Event] = []
 
-    def allocating(self, stream: Stream) -> contextlib.AbstractContextManager[object]:
-        return torch.cuda.stream(self.streams[stream])
+def gloo_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, *,
+                        may_overwrite_src: bool) -> Pending:
+    """A summing reduce-scatter on gloo, which has none of its own (torch emulates it with an
+    all-reduce of a copy of ``src``: twice the bytes of a reduce-scatter, one more buffer).
 
-    def compute(self, stream: Stream, deferred: bool, work: Callable[[], object]) -> bool:
-        with torch.cuda.stream(self.streams[stream]):
-            work()
-        return False
+    Up to ``ALL_TO_ALL_MAX_BYTES``, or when ``src`` must survive: an all-to-all (every rank
+    sends each other rank its chunk, the bytes of a ring reduce-scatter) into a receive buffer
+    and a local sum of the chunks, 4-8x faster than torch's emulation on loopback
+    (``benchmarks/bench_collectives.py``). Larger inputs the plan frees right after: an
+    in-place all-reduce of ``src`` and a copy of this rank's chunk, which needs no buffer
+    beyond ``src`` and ``dst``, as the unsharded gradient dominates memory there."""
+    if may_overwrite_src and src.numel() * src.element_size() > ALL_TO_ALL_MAX_BYTES:
+        chunk = src.narrow(0, group.rank() * dst.numel(), dst.numel())
+        reduced = dist.all_reduce(src, group=group, async_op=True)
 
-    def collective(self, stream: Stream, group: Group, operands_pending: bool,
-                   issue: Callable[[], Waiter | None]) -> bool:
-        with torch.cuda.stream(self.streams[stream]):
-            _issue_and_wait(issue)
-        return False
+        def land_chunk() -> None:
+            dst.copy_(chunk)
 
-    def wait_stream(self, stream: Stream, waits_for: Stream) -> None:
-        self.streams[stream].wait_stream(self.streams[waits_for])
+        return Pending(reduced, (src, dst), then=land_chunk)
+    chunks = torch.empty_like(src)
+    exchange = dist.all_to_all_single(chunks, src, group=group, async_op=True)
 
-    def end_of_backward(self, stream: Stream, waits_for: Stream) -> None:
-        self.wait_stream(stream, waits_for)
-        copies, self._host_copies = self._host_copies, []
-        for event in copies:
-            event.synchronize()
+    def land_sum() -> None:
+        first, *rest = chunks.view(group.size(), -1)
+        if rest:
+            torch.add(first, rest[0], out=dst)
+            for chunk in rest[1:]:
+                dst.add_(chunk)
+        else:
+            dst.copy_(first)
 
-    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
-        if tensor.is_cuda:
-            tensor.record_stream(self.streams[stream])
-
-    def drain(self) -> None:
-        for s in self.streams.values():
-            s.synchronize()
-
-    def after_host_copy(self, stream: Stream) -> None:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
-        event.record(self.streams[stream])
-        self._host_copies.append(event)
+    return Pending(exchange, (src, chunks, dst), then=land_sum)

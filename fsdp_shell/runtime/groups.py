@@ -9,7 +9,9 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_core import BackendCaps, ShardingStrategy
+from typing_extensions import assert_never
+
+from fsdp_core import BackendCaps, Group, ShardingStrategy
 
 __all__ = ["ProcessGroups", "duplicate_group", "group_timeout", "resolve_groups"]
 
@@ -22,6 +24,18 @@ class ProcessGroups:
     shard: dist.ProcessGroup
     replicate: dist.ProcessGroup | None
     gather: dist.ProcessGroup | None = None
+
+    def of(self, group: Group) -> dist.ProcessGroup:
+        """The process group a plan names ``group``."""
+        match group:
+            case Group.SHARD:
+                return self.shard
+            case Group.REPLICATE:
+                if self.replicate is None:
+                    raise RuntimeError(f"a plan names the replicate group, but {self.shard_size} ranks shard without one")
+                return self.replicate
+            case _:
+                assert_never(group)
 
     @property
     def gather_group(self) -> dist.ProcessGroup:

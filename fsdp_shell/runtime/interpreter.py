@@ -1,20 +1,18 @@
-"""The one interpreter: run a plan's ops on real process groups, streams and tensors.
+"""The one interpreter: run a plan's ops, each as one call of the runtime.
 
-``PlanRun`` steps through a plan with one ``match`` over the closed op union. Where and when an
-op's work happens is the ``Runtime``'s business (``fsdp_shell.runtime.cpu``): on CUDA every op is
-enqueued on its plan stream; on CPU an op runs in the hook when its operands are ready and on
-the lane when it waits for a collective. A run binds each input as its ``Input`` op comes and
-holds a buffer only until the plan frees it.
+``PlanRun`` steps through a plan with one ``match`` over the closed op union and turns every op
+into one call: of the ``Runtime`` (``fsdp_shell.runtime.protocol``) for what touches a device or
+a process group, of the ``PlanOwner`` (the unit's flat parameter) for what changes the
+parameter or its ``.grad``, or of its own buffer table for inputs and frees. Where and when the
+work happens is the runtime's business; the interpreter knows no device. A run binds each input
+as its ``Input`` op comes and holds a buffer only until the plan frees it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Protocol
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import _make_nccl_premul_sum
 from typing_extensions import assert_never
 
 from fsdp_core import (
@@ -28,7 +26,6 @@ from fsdp_core import (
     Free,
     FreeUnshardedParam,
     GradViews,
-    Group,
     HandOff,
     Input,
     InputRole,
@@ -37,35 +34,20 @@ from fsdp_core import (
     Pad,
     Plan,
     RecordStream,
-    ReduceKind,
-    ReduceOpSpec,
     ReduceScatter,
     ShardView,
     Stream,
     WaitStream,
 )
 from fsdp_core.plan.request import buffers_of
-from fsdp_shell.runtime.log import CollectiveLog
-from fsdp_shell.runtime.collectives import gloo_reduce_scatter, reduce_scatter_flat
-from fsdp_shell.runtime.cpu import Runtime, Waiter
+from fsdp_shell.runtime.protocol import Runtime
 
-__all__ = ["CarriedInputs", "CommHookFn", "ExecContext", "PlanOwner", "PlanRun", "to_reduce_op"]
-
+__all__ = ["CarriedInputs", "CommHookFn", "PlanOwner", "PlanRun"]
 
 CommHookFn = Callable[[torch.Tensor, torch.Tensor | None], None]
 """A bound comm hook: ``hook(grad, output)`` (``output`` None for in-place reduction)."""
 
-
-@dataclass
-class ExecContext:
-    """What one rank needs to run plans: its groups, its runtime, and a log of collectives."""
-
-    groups: Mapping[Group, dist.ProcessGroup]
-    runtime: Runtime
-    log: CollectiveLog
-    host_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    gloo_reduce_scatter: bool = False
-    """Gloo: summing reduce-scatters by ``collectives.gloo_reduce_scatter``, not torch's emulation."""
+_HOST = torch.device("cpu")
 
 
 class PlanOwner(Protocol):
@@ -74,14 +56,14 @@ class PlanOwner(Protocol):
     def free_unsharded(self) -> None:
         """Reshard: free the unsharded flat parameter."""
 
-    def set_grad_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
+    def expose_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at ``views`` of ``grad``."""
 
     def hand_off(self, plan: Plan, grad: torch.Tensor) -> None:
         """Take the gradient ``plan`` hands off."""
 
     def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The host buffer an offload copies into (pinned and kept, where that matters)."""
+        """The host buffer an offload copies into (kept across backwards)."""
 
 
 class CarriedInputs(Protocol):
@@ -91,69 +73,39 @@ class CarriedInputs(Protocol):
         """The tensor carried under ``role``."""
 
 
-def to_reduce_op(spec: ReduceOpSpec) -> dist.ReduceOp:
-    """The ``torch.distributed`` reduce op for ``spec``."""
-    match spec.kind:
-        case ReduceKind.SUM:
-            return dist.ReduceOp(dist.ReduceOp.SUM)
-        case ReduceKind.AVG:
-            return dist.ReduceOp(dist.ReduceOp.AVG)
-        case ReduceKind.PREMUL_SUM:
-            return _make_nccl_premul_sum(spec.premul)
-        case _:
-            assert_never(spec.kind)
-
-
-def _waiter(work: dist.Work | None, *operands: torch.Tensor) -> Waiter | None:
-    """``work.wait``, holding the collective's operands alive until the waiter is dropped."""
-    if work is None:
-        return None
-
-    def wait() -> None:
-        work.wait()
-        assert operands
-
-    return wait
-
-
 class PlanRun:
     """One execution of one plan for one unit.
 
-    ``hook_phase`` runs the ops of the post-backward hook, ``callback_phase`` those deferred to
-    the end-of-backward callback. The run binds its inputs as its ``Input`` ops come (it keeps
-    no reference to them before or after) and holds a buffer only until the plan's ``Free``;
-    a collective's operands are held by its waiter until the collective completes.
+    ``run_hook_ops`` runs the ops of the post-backward hook, ``run_callback_ops`` those deferred
+    to the end-of-backward callback. The run binds its inputs as its ``Input`` ops come (it keeps
+    no reference to them before or after) and holds a buffer only until the plan's ``Free``; the
+    runtime holds a collective's operands until it has completed.
     """
 
-    def __init__(self, plan: Plan, ctx: ExecContext, owner: PlanOwner, grad: torch.Tensor,
+    def __init__(self, plan: Plan, runtime: Runtime, owner: PlanOwner, grad: torch.Tensor,
                  carried: CarriedInputs, comm_hook: CommHookFn | None = None) -> None:
         self.plan = plan
-        self.ctx = ctx
-        self.owner = owner
+        self._runtime = runtime
+        self._owner = owner
         self._grad: torch.Tensor | None = grad
-        self._carried = carried
+        self._carried: CarriedInputs | None = carried
         self._comm_hook = comm_hook
         self._buffers: dict[str, torch.Tensor] = {}
-        self._pending: set[str] = set()
         self._index = 0
+        self.done = False
+        """Whether every op has run (the gradient is handed off)."""
 
-    @property
-    def live_buffers(self) -> tuple[str, ...]:
-        """Names of the buffers this run still holds."""
-        return tuple(self._buffers)
-
-    def hook_phase(self) -> None:
+    def run_hook_ops(self) -> None:
         """Run the ops that belong in the post-backward hook."""
         for op in self.plan.hook_ops:
             self._step(op)
 
-    def callback_phase(self) -> None:
+    def run_callback_ops(self) -> None:
         """Run the ops deferred to the end of backward."""
         for op in self.plan.callback_ops:
             self._step(op)
-        self._carried = _NO_CARRIED
-
-    # -- helpers ---------------------------------------------------------------------------
+        self._carried = None
+        self.done = True
 
     def _tensor(self, b: Buffer) -> torch.Tensor:
         try:
@@ -161,95 +113,63 @@ class PlanRun:
         except KeyError:
             raise RuntimeError(f"plan buffer {b.name} is not live") from None
 
-    def _alloc(self, b: Buffer, stream: Stream, device: torch.device) -> torch.Tensor:
-        with self.ctx.runtime.allocating(stream):
-            t = torch.empty(b.numel, dtype=b.dtype, device=device)
+    def _alloc(self, b: Buffer, stream: Stream, like: torch.Tensor) -> torch.Tensor:
+        t = self._runtime.empty(b.numel, b.dtype, like.device, stream)
         self._buffers[b.name] = t
         return t
 
-    def _touches_pending(self, op: Op) -> bool:
-        return any(b.name in self._pending for b in buffers_of(op))
-
-    def _mark_pending(self, op: Op) -> None:
-        self._pending.update(b.name for b in buffers_of(op))
-
-    def _compute(self, op: Op, work: Callable[[], object]) -> None:
-        if self.ctx.runtime.compute(op.stream, self._touches_pending(op), work):
-            self._mark_pending(op)
-
-    def _collective(self, op: Op, group: Group, issue: Callable[[], Waiter | None]) -> None:
-        pending = self.ctx.runtime.collective(op.stream, group, self._touches_pending(op), issue)
-        if pending:
-            self._mark_pending(op)
-
-    def _on_host_thread(self, op: Op) -> None:
-        """Owner callbacks run on the host thread: wait for pending operands first."""
-        if self._touches_pending(op):
-            self.ctx.runtime.drain()
-            self._pending.clear()
-
-    # -- ops -------------------------------------------------------------------------------
-
     def _step(self, op: Op) -> None:
-        ctx = self.ctx
+        rt = self._runtime
         index = self._index
         self._index += 1
         match op:
             case Input():
                 self._bind(op)
             case WaitStream():
-                ctx.runtime.wait_stream(op.stream, op.waits_for)
+                rt.wait_stream(op.stream, op.waits_for)
             case EndOfBackwardWait():
-                ctx.runtime.end_of_backward(op.stream, op.waits_for)
-                self._pending.clear()
+                rt.end_of_backward(op.stream, op.waits_for)
             case RecordStream():
-                ctx.runtime.record_stream(self._tensor(op.buffer), op.stream)
+                rt.record_stream(self._tensor(op.buffer), op.stream)
             case Free():
                 self._buffers.pop(op.buffer.name, None)
             case FreeUnshardedParam():
-                self.owner.free_unsharded()
+                self._owner.free_unsharded()
             case Cast():
                 src = self._tensor(op.src)
-                dst = self._alloc(op.dst, op.stream, src.device)
-                self._compute(op, lambda: dst.copy_(src))
+                dst = self._alloc(op.dst, op.stream, src)
+                rt.compute(op.stream, lambda: dst.copy_(src), (src, dst))
             case Pad():
                 src = self._tensor(op.src)
-                dst = self._alloc(op.dst, op.stream, src.device)
+                dst = self._alloc(op.dst, op.stream, src)
 
                 def pad() -> None:
                     dst[: src.numel()].copy_(src)
                     dst[src.numel() :].zero_()
 
-                self._compute(op, pad)
+                rt.compute(op.stream, pad, (src, dst))
             case Divide():
-                t = self._tensor(op.buffer)
-                factor = op.factor
-                self._compute(op, lambda: t.div_(factor))
+                t, factor = self._tensor(op.buffer), op.factor
+                rt.compute(op.stream, lambda: t.div_(factor), (t,))
             case ReduceScatter():
-                self._reduce_scatter(op, index)
+                src = self._tensor(op.src)
+                dst = self._alloc(op.dst, op.stream, src)
+                rt.reduce_scatter(op.stream, op.group, dst, src, op.reduce_op, src_dies=self._dies_after(index, op.src))
             case AllReduce():
-                t = self._tensor(op.buffer)
-                group, reduce_op, name = ctx.groups[op.group], to_reduce_op(op.reduce_op), op.group
-
-                def all_reduce() -> Waiter | None:
-                    ctx.log.add("all_reduce", name, t.dtype, t.numel())
-                    return _waiter(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), t)
-
-                self._collective(op, op.group, all_reduce)
+                rt.all_reduce(op.stream, op.group, self._tensor(op.buffer), op.reduce_op)
             case CommHookCall():
                 self._hook_call(op)
             case Accumulate():
-                dst_t, src_t = self._tensor(op.dst), self._tensor(op.src)
-                self._compute(op, lambda: dst_t.add_(src_t))
+                dst, src = self._tensor(op.dst), self._tensor(op.src)
+                rt.compute(op.stream, lambda: dst.add_(src), (dst, src))
             case Offload():
                 self._offload(op)
             case GradViews():
-                self._on_host_thread(op)
-                self.owner.set_grad_views(self._tensor(op.buffer), op.views)
+                grad, views = self._tensor(op.buffer), op.views
+                rt.on_host(lambda: self._owner.expose_views(grad, views), (grad,))
             case HandOff():
-                self._on_host_thread(op)
-                self.owner.hand_off(self.plan, self._tensor(op.buffer))
-                self._buffers.pop(op.buffer.name, None)
+                grad, plan = self._buffers.pop(op.buffer.name), self.plan
+                rt.on_host(lambda: self._owner.hand_off(plan, grad), (grad,))
             case _:
                 assert_never(op)
 
@@ -258,26 +178,12 @@ class PlanRun:
             if self._grad is None:
                 raise RuntimeError("the plan takes the new gradient twice")
             self._buffers[op.buffer.name], self._grad = self._grad, None
+        elif self._carried is None:
+            raise RuntimeError(f"the plan run has finished; no carried {op.role.value} gradient to take")
         else:
             self._buffers[op.buffer.name] = self._carried.take(op.role)
 
-    def _reduce_scatter(self, op: ReduceScatter, index: int) -> None:
-        ctx = self.ctx
-        src = self._tensor(op.src)
-        dst = self._alloc(op.dst, op.stream, src.device)
-        group, reduce_op, name = ctx.groups[op.group], to_reduce_op(op.reduce_op), op.group
-        gloo = ctx.gloo_reduce_scatter and op.reduce_op.kind is ReduceKind.SUM
-        src_dies = gloo and self._src_dies_after(index, op.src)
-
-        def reduce_scatter() -> Waiter | None:
-            ctx.log.add("reduce_scatter", name, src.dtype, src.numel())
-            if gloo:
-                return gloo_reduce_scatter(dst, src, group, may_overwrite_src=src_dies)
-            return _waiter(reduce_scatter_flat(dst, src, group, reduce_op, async_op=True), src, dst)
-
-        self._collective(op, op.group, reduce_scatter)
-
-    def _src_dies_after(self, index: int, src: Buffer) -> bool:
+    def _dies_after(self, index: int, src: Buffer) -> bool:
         """Whether no op after ``index`` reads or writes ``src`` before the plan frees it."""
         for op in self.plan.ops[index + 1 :]:
             if isinstance(op, Free) and op.buffer == src:
@@ -287,48 +193,24 @@ class PlanRun:
         return False
 
     def _hook_call(self, op: CommHookCall) -> None:
-        ctx = self.ctx
-        src = self._tensor(op.src)
-        in_place = op.src == op.dst
-        out = src if in_place else self._alloc(op.dst, op.stream, src.device)
-        self._buffers[op.dst.name] = out
         hook = self._comm_hook
         if hook is None:
             raise RuntimeError(f"the plan calls the {op.hook.value} comm hook but none is registered")
-        name, wire = op.group, op.wire_dtype
+        src = self._tensor(op.src)
+        in_place = op.src == op.dst
+        out = src if in_place else self._alloc(op.dst, op.stream, src)
 
         def call() -> None:
-            ctx.log.add("comm_hook", name, wire, src.numel())
             hook(src, None if in_place else out)
 
-        self._collective(op, op.group, call)
+        self._runtime.comm_hook(op.stream, op.group, call, src, out, op.wire_dtype)
 
     def _offload(self, op: Offload) -> None:
         src = self._tensor(op.src)
-        host = self.ctx.host_device
         if op.accumulate:
-            cpu = self._tensor(op.dst)
-            self._compute(op, lambda: cpu.add_(src.to(host)))
+            host = self._tensor(op.dst)
+            self._runtime.compute(op.stream, lambda: host.add_(src.to(_HOST)), (src, host))
             return
-        if src.device == host:
-            self._buffers[op.dst.name] = src
-            if self._touches_pending(op):
-                self._mark_pending(op)
-            return
-        cpu = self.owner.host_grad_buffer(op.dst.numel, op.dst.dtype)
-        self._buffers[op.dst.name] = cpu
-        runtime, stream = self.ctx.runtime, op.stream
-
-        def copy() -> None:
-            cpu.copy_(src, non_blocking=True)
-            runtime.after_host_copy(stream)
-
-        self._compute(op, copy)
-
-
-class _NoCarried:
-    def take(self, role: InputRole) -> torch.Tensor:
-        raise RuntimeError(f"the plan run has finished; no carried {role.value} gradient to take")
-
-
-_NO_CARRIED = _NoCarried()
+        numel, dtype = op.dst.numel, op.dst.dtype
+        self._buffers[op.dst.name] = self._runtime.to_host(
+            op.stream, src, lambda: self._owner.host_grad_buffer(numel, dtype))

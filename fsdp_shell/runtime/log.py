@@ -7,9 +7,10 @@ group there is one issuer, so each group's sequence is its issue order.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -42,19 +43,31 @@ class CollectiveRecord(NamedTuple):
 class CollectiveLog:
     """Every collective this rank's runtime issued, in issue order per group.
 
-    Records are appended by the host thread and by the lane; within one group there is one
-    issuer, so each group's sequence is the order the collectives were issued in."""
+    The host thread's collectives are logged in the phase of the innermost ``during`` it is in
+    (``OTHER`` outside any); those of the thread passed to ``mark_lane`` as ``LANE``."""
 
     def __init__(self) -> None:
         self.records: list[CollectiveRecord] = []
-        self.phase = Phase.OTHER
-        """Where the host thread is now (set by the wrapper's hooks)."""
-        self._lane_thread: threading.Thread | None = None
+        self._phase = Phase.OTHER
+        self._lane: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def during(self, phase: Phase) -> Iterator[None]:
+        """Log the host thread's collectives inside as issued in ``phase``."""
+        outer, self._phase = self._phase, phase
+        try:
+            yield
+        finally:
+            self._phase = outer
+
+    def mark_lane(self, thread: threading.Thread) -> None:
+        """Collectives ``thread`` issues are the lane's."""
+        self._lane = thread
 
     def add(self, op: str, group: Group, dtype: torch.dtype, numel: int) -> None:
         """Log a collective issued now, by the current thread."""
-        on_lane = threading.current_thread() is self._lane_thread
-        self.records.append(CollectiveRecord(op, group, dtype, numel, Phase.LANE if on_lane else self.phase))
+        on_lane = self._lane is not None and threading.current_thread() is self._lane
+        self.records.append(CollectiveRecord(op, group, dtype, numel, Phase.LANE if on_lane else self._phase))
 
     def of_group(self, group: Group) -> list[CollectiveRecord]:
         """The records of one group, in the order they were issued."""

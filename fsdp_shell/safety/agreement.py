@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -25,8 +24,7 @@ from fsdp_shell.runtime.collectives import all_gather_flat
 if TYPE_CHECKING:
     from fsdp_shell.tree import Tree
 
-__all__ = ["CollectiveTimeoutError", "RankMismatchError", "check_agreement", "check_same_events", "describe",
-           "gave_up_waiting"]
+__all__ = ["RankMismatchError", "check_agreement", "check_same_events", "describe"]
 
 Field = tuple[str, str]
 
@@ -35,48 +33,33 @@ class RankMismatchError(RuntimeError):
     """Ranks were built differently; raised identically on every rank."""
 
 
-class CollectiveTimeoutError(RuntimeError):
-    """A collective of FSDP's gave up waiting for the other ranks (the process group's timeout,
-    or a peer that closed its connection): a rank stopped or died, or the ranks' models took
-    different paths without ``ranks_may_diverge=True``."""
-
-
-_GAVE_UP = re.compile(r"timed out|connection closed by peer|connection reset by peer|broken pipe", re.IGNORECASE)
-
-
-def gave_up_waiting(error: BaseException) -> bool:
-    """Whether ``error`` is a backend giving up on the other ranks (gloo's timeout or a lost
-    peer), rather than a failure of this rank's own work."""
-    return (isinstance(error, RuntimeError) and not isinstance(error, (RankMismatchError, CollectiveTimeoutError))
-            and _GAVE_UP.search(str(error)) is not None)
-
-
 def describe(tree: Tree) -> tuple[Field, ...]:
     """What must agree across ranks, as (field, value) pairs in a fixed order."""
+    o, s = tree.options, tree.settings
     fields: list[Field] = [
-        ("sharding_strategy", tree.strategy.name),
+        ("sharding_strategy", o.strategy.name),
         ("shard group size", str(tree.groups.shard_size)),
         ("replicate group size", str(tree.groups.replicate_size)),
-        ("use_orig_params", str(tree.use_orig_params)),
-        ("mixed_precision", repr(tree.mixed_precision)),
-        ("cpu_offload", repr(tree.offload)),
-        ("comm hook", tree.comm_hook_kind.value),
-        ("division", repr(tree.division)),
-        ("hybrid_all_reduce", tree.hybrid_all_reduce.value),
-        ("backward_prefetch", str(tree.backward_prefetch)),
-        ("forward_prefetch", str(tree.forward_prefetch)),
-        ("ranks_may_diverge", str(tree.sequence_events)),
-        ("number of FSDP units", str(len(tree.units))),
+        ("use_orig_params", str(o.use_orig_params)),
+        ("mixed_precision", repr(o.mixed_precision)),
+        ("cpu_offload", repr(o.offload)),
+        ("comm hook", s.comm_hook_kind.value),
+        ("division", repr(s.division)),
+        ("hybrid_all_reduce", o.hybrid_all_reduce.value),
+        ("backward_prefetch", str(o.backward_prefetch)),
+        ("forward_prefetch", str(o.forward_prefetch)),
+        ("ranks_may_diverge", str(o.ranks_may_diverge)),
+        ("number of FSDP units", str(len(tree.handles))),
     ]
-    for index, unit in enumerate(tree.units):
-        h = unit._handle
+    for index, h in enumerate(tree.handles):
         if h is None:
             fields.append((f"unit {index}", "no parameters"))
             continue
         params = ", ".join(f"{p.name}{list(p.shape)}" for p in h.layout.params)
         fields.append((f"unit {index} parameters", f"{params} ({h.orig_dtype}, requires_grad "
                                                     f"{h.flat_param.requires_grad})"))
-        request = dataclasses.replace(h.request, sharding=dataclasses.replace(h.request.sharding, rank=0))
+        request = tree.settings.request(h.request)
+        request = dataclasses.replace(request, sharding=dataclasses.replace(request.sharding, rank=0))
         fields.append((f"unit {index} plan request", hashlib.sha256(repr(request).encode()).hexdigest()[:16]))
     return tuple(fields)
 
@@ -85,7 +68,7 @@ def check_agreement(tree: Tree) -> float:
     """Compare this rank's description with every other rank's (a collective); raise
     ``RankMismatchError`` on every rank if they differ. Returns the seconds the comparison took
     (not counting the control group's creation the first time)."""
-    group = tree.control()
+    group = tree.control
     start = time.perf_counter()
     fields = describe(tree)
     digest = hashlib.sha256(repr(fields).encode()).hexdigest()
@@ -138,7 +121,7 @@ def check_same_events(tree: Tree, events: list[HookEvent]) -> None:
     pre- and post-backward, the ends), compared by digest with one tiny all-gather. If not, the
     ranks' collectives may have been paired wrongly, so every rank raises (the step's gradients
     must not reach the optimizer)."""
-    group = tree.control()
+    group = tree.control
     size = dist.get_world_size(group)
     if size == 1:
         return

@@ -11,13 +11,13 @@ at any world size. Per-parameter scalars (``step``) are kept as they are.
 ``optim_state_dict_to_load`` is the inverse: a state dict for ``optimizer.load_state_dict``.
 
 Per-element state is told from scalars by shape: a tensor shaped like its (sharded) parameter.
-Every function is a collective over the tree's groups: every rank calls it, in the same order.
+Every function is a collective over the shard group: every rank calls it, in the same order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fsdp_shell.state.state_dict import StateDictSettings, StateDictType, full_tensor
-
-if TYPE_CHECKING:
-    from fsdp_shell.units.flat_param import FlatParamHandle
-    from fsdp_shell.tree import Tree
+from fsdp_shell.units.flat_param import FlatParamHandle
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load"]
 
@@ -47,12 +44,9 @@ class _Slot:
         return [self.handle.layout.params[i].name for i in self.indices]
 
 
-def _slots(tree: Tree) -> list[_Slot]:
+def _slots(handles: Sequence[FlatParamHandle]) -> list[_Slot]:
     out: list[_Slot] = []
-    for unit in tree.units:
-        h = unit._handle
-        if h is None:
-            continue
+    for h in handles:
         if h.use_orig_params:
             out.extend(_Slot(p, h, (i,)) for i, p in enumerate(h.orig_params))
         else:
@@ -60,8 +54,8 @@ def _slots(tree: Tree) -> list[_Slot]:
     return out
 
 
-def _by_param(tree: Tree, optim: torch.optim.Optimizer) -> dict[int, _Slot]:
-    slots = {id(s.param): s for s in _slots(tree)}
+def _by_param(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer) -> dict[int, _Slot]:
+    slots = {id(s.param): s for s in _slots(handles)}
     for group in optim.param_groups:
         for p in group["params"]:
             if id(p) not in slots:
@@ -97,14 +91,14 @@ def _holds_none(slot: _Slot) -> bool:
     return slot.handle.use_orig_params and slot.handle.shard_view(slot.indices[0]) is None
 
 
-def optim_state_dict(tree: Tree, optim: torch.optim.Optimizer, settings: StateDictSettings,
+def optim_state_dict(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer, settings: StateDictSettings,
                      mesh: DeviceMesh, rank: int) -> dict[str, Any]:
     """The optimizer's state by original parameter name, full or (``SHARDED_STATE_DICT``) as
-    DTensors."""
-    by_param = _by_param(tree, optim)
+    DTensors (``handles``: every unit's flat parameter that has one)."""
+    by_param = _by_param(handles, optim)
     state: Mapping[torch.Tensor, Mapping[str, object]] = optim.state
     per_unit: dict[int, list[_Slot]] = {}
-    for s in _slots(tree):
+    for s in _slots(handles):
         per_unit.setdefault(id(s.handle), []).append(s)
     local_keys: dict[int, dict[str, str]] = {}
     scalars: dict[str, dict[str, object]] = {}
@@ -119,8 +113,9 @@ def optim_state_dict(tree: Tree, optim: torch.optim.Optimizer, settings: StateDi
                         scalars.setdefault(name, {})[key] = value
     order = list(per_unit)
     payload = ({order.index(u): keys for u, keys in local_keys.items()}, scalars)
-    everyone: list[Any] = [None] * dist.get_world_size(tree.groups.shard)
-    dist.all_gather_object(everyone, payload, group=tree.groups.shard)
+    shard_group = handles[0].shard_group
+    everyone: list[Any] = [None] * dist.get_world_size(shard_group)
+    dist.all_gather_object(everyone, payload, group=shard_group)
     unit_keys: dict[int, dict[str, str]] = {}
     all_scalars: dict[str, dict[str, object]] = {}
     for keys, found in everyone:
@@ -138,7 +133,7 @@ def optim_state_dict(tree: Tree, optim: torch.optim.Optimizer, settings: StateDi
             for i, spec in enumerate(h.layout.params):
                 start, end = h.layout.param_range(i)
                 value = full[start:end].view(spec.shape).clone()
-                out_state.setdefault(spec.name, {})[key] = _present(value, settings, mesh, tree)
+                out_state.setdefault(spec.name, {})[key] = _present(value, settings, mesh, h.is_sharded)
         for spec in h.layout.params:
             for key, value in all_scalars.get(spec.name, {}).items():
                 out_state.setdefault(spec.name, {})[key] = value
@@ -151,21 +146,21 @@ def optim_state_dict(tree: Tree, optim: torch.optim.Optimizer, settings: StateDi
     return {"state": out_state, "param_groups": groups}
 
 
-def _present(value: torch.Tensor, settings: StateDictSettings, mesh: DeviceMesh, tree: Tree) -> object:
+def _present(value: torch.Tensor, settings: StateDictSettings, mesh: DeviceMesh, sharded: bool) -> object:
     if settings.kind is StateDictType.FULL_STATE_DICT:
         return value.cpu() if settings.offload_to_cpu else value
-    placement = Shard(0) if tree.strategy.is_sharded and value.dim() > 0 else Replicate()
+    placement = Shard(0) if sharded and value.dim() > 0 else Replicate()
     return distribute_tensor(value, mesh, [placement], src_data_rank=None)
 
 
-def optim_state_dict_to_load(tree: Tree, optim: torch.optim.Optimizer,
+def optim_state_dict_to_load(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer,
                              optim_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``optim_state_dict`` (full tensors or DTensors by original name) as the state dict
     ``optim.load_state_dict`` takes: this rank's shards, numbered as ``optim.state_dict()``."""
     if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(optim_state_dict):
         raise TypeError("optim_state_dict: expected a mapping with 'state' and 'param_groups', as "
                         "FSDP.optim_state_dict returns")
-    by_param = _by_param(tree, optim)
+    by_param = _by_param(handles, optim)
     saved: Mapping[str, Mapping[str, object]] = optim_state_dict["state"]
     saved_groups = optim_state_dict["param_groups"]
     if len(saved_groups) != len(optim.param_groups):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -25,9 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-if TYPE_CHECKING:
-    from fsdp_shell.units.flat_param import FlatParamHandle
-    from fsdp_shell.tree import Tree
+from fsdp_shell.units.flat_param import FlatParamHandle
 
 __all__ = [
     "EntryKind",
@@ -138,10 +136,6 @@ def _walk(module: nn.Module, prefix: str, names: Mapping[int, str]) -> Iterator[
             yield from _walk(child, f"{prefix}{name}.", names)
 
 
-def _handles(tree: Tree) -> list[FlatParamHandle]:
-    return [u._handle for u in tree.units if u._handle is not None]
-
-
 def _buffer(entry: StateEntry) -> torch.Tensor:
     buf = entry.module._buffers[entry.attr]
     if buf is None:
@@ -156,15 +150,16 @@ def _other(entry: StateEntry, offload: bool) -> object:
     return entry.module.get_extra_state()
 
 
-def full_state_dict(tree: Tree, settings: StateDictSettings, rank: int) -> dict[str, Any]:
+def full_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry], settings: StateDictSettings,
+                    rank: int) -> dict[str, Any]:
     """Every entry's full value (a collective: every rank calls it, in the same order)."""
     values: dict[str, torch.Tensor] = {}
-    for h in _handles(tree):
+    for h in handles:
         values.update(h.full_values())
     if settings.rank0_only and rank != 0:
         return {}
     out: dict[str, Any] = {}
-    for e in tree.state_entries:
+    for e in entries:
         if e.kind is EntryKind.PARAM:
             v = values[e.param]
             out[e.key] = v.cpu() if settings.offload_to_cpu else v
@@ -173,15 +168,15 @@ def full_state_dict(tree: Tree, settings: StateDictSettings, rank: int) -> dict[
     return out
 
 
-def sharded_state_dict(tree: Tree, settings: StateDictSettings, mesh: DeviceMesh) -> dict[str, Any]:
+def sharded_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry],
+                       settings: StateDictSettings, mesh: DeviceMesh) -> dict[str, Any]:
     """Parameters as ``DTensor`` s sharded on dim 0 over ``mesh`` (the shard group; replicated
     for ``NO_SHARD``), the rest as in the full state dict. Cuts each parameter from the unit's
     all-gathered flat value, as FSDP1 does."""
-    sharded = tree.strategy.is_sharded
     dtensors: dict[str, DTensor] = {}
-    for h in _handles(tree):
+    for h in handles:
         for name, full in h.full_values().items():
-            placement = Shard(0) if sharded and full.dim() > 0 else Replicate()
+            placement = Shard(0) if h.is_sharded and full.dim() > 0 else Replicate()
             d = distribute_tensor(full, mesh, [placement], src_data_rank=None)
             if settings.offload_to_cpu:
                 local = d.to_local().cpu()
@@ -189,27 +184,28 @@ def sharded_state_dict(tree: Tree, settings: StateDictSettings, mesh: DeviceMesh
                                        stride=full.stride())
             dtensors[name] = d
     out: dict[str, Any] = {}
-    for e in tree.state_entries:
+    for e in entries:
         out[e.key] = dtensors[e.param] if e.kind is EntryKind.PARAM else _other(e, settings.offload_to_cpu)
     return out
 
 
-def load_state_dict(tree: Tree, state_dict: Mapping[str, object], *, strict: bool) -> _IncompatibleKeys:
+def load_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry], state_dict: Mapping[str, object],
+                    *, strict: bool) -> _IncompatibleKeys:
     """Load full tensors or ``DTensor`` s (gathered here) under the unwrapped module's keys;
     ``strict`` as ``nn.Module.load_state_dict``. Checked before anything is changed: a value
     that is not a tensor, a shape that differs, a floating-point value for an integer entry or
     the reverse."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
-    expected = [e.key for e in tree.state_entries]
+    expected = [e.key for e in entries]
     known = set(expected)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in known]
     if strict and (missing or unexpected):
         raise RuntimeError(_strict_message(missing, unexpected))
-    shapes = {p.name: p.shape for h in _handles(tree) for p in h.layout.params}
-    dtypes = {p.name: h.orig_dtype for h in _handles(tree) for p in h.layout.params}
-    for e in tree.state_entries:
+    shapes = {p.name: p.shape for h in handles for p in h.layout.params}
+    dtypes = {p.name: h.orig_dtype for h in handles for p in h.layout.params}
+    for e in entries:
         if e.key not in state_dict or e.kind is EntryKind.EXTRA:
             continue
         value = state_dict[e.key]
@@ -223,10 +219,10 @@ def load_state_dict(tree: Tree, state_dict: Mapping[str, object], *, strict: boo
             raise TypeError(f"state_dict[{e.key!r}]: dtype {value.dtype} cannot be loaded into {dtype} "
                             "(a cast would change its meaning)")
     given: dict[str, torch.Tensor] = {}
-    for e in tree.state_entries:
+    for e in entries:
         if e.kind is EntryKind.PARAM and e.key in state_dict and e.param not in given:
             given[e.param] = full_tensor(state_dict[e.key])
-    for h in _handles(tree):
+    for h in handles:
         names = [p.name for p in h.layout.params]
         if all(n in given for n in names):
             h.load_values(given)
@@ -234,7 +230,7 @@ def load_state_dict(tree: Tree, state_dict: Mapping[str, object], *, strict: boo
             current = h.full_values()
             h.load_values({n: given.get(n, current[n]) for n in names})
     with torch.no_grad():
-        for e in tree.state_entries:
+        for e in entries:
             if e.key not in state_dict:
                 continue
             if e.kind is EntryKind.BUFFER:

@@ -14,31 +14,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_core import FlatParamLayout, InputRole, Plan, PlanRequest, ShardingSpec, ShardView
 from fsdp_shell.runtime.collectives import all_gather_flat
-from fsdp_shell.runtime.log import CollectiveLog
-from fsdp_core import (
-    FlatParamLayout,
-    Group,
-    InputRole,
-    Plan,
-    PlanRequest,
-    ShardingSpec,
-    ShardView,
-)
+from fsdp_shell.runtime.protocol import Pending, Runtime
 
-__all__ = ["ASYNC_GATHER_MAX_BYTES", "CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad"]
-
-ASYNC_GATHER_MAX_BYTES = 4 << 20
-"""On CPU, all-gathers up to this size stay in flight while the host goes on (prefetch);
-larger ones land before ``start_unshard`` returns. Gloo gathers through a temporary buffer the
-size of the output, and a large one in flight during the next unit's backward raises the peak
-above FSDP1's (synchronous on CPU) by that much (``benchmarks/bench_training.py``, "large")."""
+__all__ = ["CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +51,13 @@ class CarriedGrads:
 
     ``visible`` is the role the user's ``.grad`` shows. Where that ``.grad`` is the tensor
     itself (the flat parameter's, without ``use_orig_params``), the tensor is not held here
-    but taken back from ``.grad`` (``reclaimed``) at the next backward, so ``zero_grad()``
-    frees it as in FSDP1. Plans say what they consume and what they leave (``Plan.consumed``,
-    ``Plan.carried_out``); ``after`` applies that, so no state is inferred from tensor sizes.
+    but taken back from ``.grad`` at the next backward, so ``zero_grad()`` frees it as in FSDP1.
+
+    Three transitions change it, the same three verbs as on ``FlatParamHandle``: the user's
+    ``.grad`` is taken back (``reclaimed_from_flat``, ``reclaimed_from_views``), a plan hands off
+    its gradient (``handed_off``: plans say what they consume and what they leave,
+    ``Plan.consumed`` and ``Plan.carried_out``, so no state is inferred from tensor sizes), and
+    the visible gradient is shown in ``.grad`` (``exposed``).
     """
 
     tensors: Mapping[InputRole, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
@@ -86,7 +76,7 @@ class CarriedGrads:
         except KeyError:
             raise RuntimeError(f"the plan takes a carried {role.value} gradient this unit does not hold") from None
 
-    def after(self, plan: Plan, handed: torch.Tensor) -> CarriedGrads:
+    def handed_off(self, plan: Plan, handed: torch.Tensor) -> CarriedGrads:
         """The state once ``plan`` has consumed its carried inputs and handed ``handed`` off."""
         kept = {role: t for role, t in self.tensors.items() if role not in plan.consumed}
         out = plan.carried_out
@@ -102,10 +92,10 @@ class CarriedGrads:
         rest = {role: t for role, t in self.tensors.items() if role is not self.visible}
         return CarriedGrads(MappingProxyType(rest), self.visible), shown
 
-    def reclaimed(self, seen: torch.Tensor | None, shard_numel: int) -> CarriedGrads:
-        """Take the visible tensor back from the user's ``.grad`` (``seen``). None after it was
-        shown means ``zero_grad(set_to_none=True)``: everything carried is dropped. A ``.grad``
-        the user assigned while none was shown is carried as the reduced shard."""
+    def reclaimed_from_flat(self, seen: torch.Tensor | None, shard_numel: int) -> CarriedGrads:
+        """Take the visible tensor back from the flat parameter's ``.grad`` (``seen``). None
+        after it was shown means ``zero_grad(set_to_none=True)``: everything carried is dropped.
+        A ``.grad`` the user assigned while none was shown is carried as the reduced shard."""
         if self.visible is not None and self.visible not in self.tensors:
             if seen is None:
                 return CarriedGrads()
@@ -120,9 +110,10 @@ class CarriedGrads:
         held = {**self.tensors, InputRole.SHARDED_GRAD: seen.data.view(-1)}
         return CarriedGrads(MappingProxyType(held), _visible_role(held))
 
-    def cleared_if(self, user_zeroed: bool) -> CarriedGrads:
-        """Nothing, when the user has dropped the visible gradient; else the same state."""
-        return CarriedGrads() if user_zeroed and self.visible is not None else self
+    def reclaimed_from_views(self, all_dropped: bool) -> CarriedGrads:
+        """With ``use_orig_params`` the user sees views of the visible tensor: once they have set
+        every one to None (``all_dropped``), nothing is carried; else the same state."""
+        return CarriedGrads() if all_dropped and self.visible is not None else self
 
 
 def _visible_role(held: Mapping[InputRole, torch.Tensor]) -> InputRole | None:
@@ -199,18 +190,17 @@ class FlatParamHandle:
         tensors: list[nn.Parameter],
         *,
         base_request: PlanRequest,
+        runtime: Runtime,
         shard_group: dist.ProcessGroup,
         device: torch.device,
-        log: CollectiveLog,
-        gather_group: dist.ProcessGroup | None = None,
-        gather_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.params = params
         self.request = base_request
+        """The unit's plan request without this step's flags (``FSDP.set_gradient_divide_factor``
+        and ``register_comm_hook`` replace it)."""
         self.layout: FlatParamLayout = base_request.layout
         self.sharding: ShardingSpec = base_request.sharding
         self.shard_group = shard_group
-        self._gather_group = shard_group if gather_group is None else gather_group
         self.device = device
         self.use_orig_params = base_request.use_orig_params
         self.offload = base_request.offload.offload_params
@@ -219,8 +209,7 @@ class FlatParamHandle:
         self.shard_numel = self.sharding.shard_numel(self.layout)
         self.padded_numel = self.sharding.padded_numel(self.layout)
         self.is_sharded = self.sharding.strategy.is_sharded
-        self._gather_stream = gather_stream
-        self._log = log
+        self._runtime = runtime
         self._pieces = _Pieces.of(self.layout)
 
         local = self.shard_of({p.fqn: t.detach() for p, t in zip(params, tensors)}, self.orig_dtype).clone()
@@ -232,7 +221,7 @@ class FlatParamHandle:
                                      dtype=self.compute_dtype, device=device)
         _free_storage(self._gathered)
         self._state = _Gathered.SHARDED
-        self._pending_gather: Callable[[], None] | None = None
+        self._pending_gather: Pending | None = None
 
         self.carried = CarriedGrads()
         """Gradient state carried between backwards (see ``CarriedGrads``)."""
@@ -298,11 +287,6 @@ class FlatParamHandle:
         """Whether ``flat_param`` is the unsharded parameter now."""
         return self._state is _Gathered.UNSHARDED
 
-    @property
-    def gathering(self) -> bool:
-        """Whether an all-gather has been issued and not yet awaited."""
-        return self._state is _Gathered.IN_FLIGHT
-
     def start_unshard(self) -> bool:
         """Issue the all-gather of the flat parameter in the compute dtype, asynchronously where
         the backend allows; a no-op when gathered or in flight. Returns whether one was issued."""
@@ -313,24 +297,12 @@ class FlatParamHandle:
             self._pending_gather = None
             return False
         _alloc_storage(self._gathered)
-        if self.is_sharded:
-            self._log.add("all_gather", Group.SHARD, self.compute_dtype, self.padded_numel)
         with torch.no_grad():
             src = self.local.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
-            if not self.is_sharded:
-                self._gathered.copy_(src)
-                self._pending_gather = None
-            elif self._gather_stream is not None:
-                self._gather_stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._gather_stream):
-                    work = all_gather_flat(self._gathered, src, self._gather_group, async_op=True)
-                src.record_stream(self._gather_stream)
-                self._pending_gather = None if work is None else _keep_alive(work)
+            if self.is_sharded:
+                self._pending_gather = self._runtime.all_gather(self._gathered, src)
             else:
-                work = all_gather_flat(self._gathered, src, self._gather_group, async_op=True)
-                self._pending_gather = None if work is None else _keep_alive(work, src)
-                if self._gathered.nbytes > ASYNC_GATHER_MAX_BYTES:
-                    self.finish_gather()
+                self._gathered.copy_(src)
         self._state = _Gathered.IN_FLIGHT
         return True
 
@@ -338,7 +310,7 @@ class FlatParamHandle:
         """Block until an issued all-gather has landed."""
         pending, self._pending_gather = self._pending_gather, None
         if pending is not None:
-            pending()
+            pending.wait()
 
     def finish_unshard(self) -> None:
         """Wait for the all-gather (issuing it first if needed) and make the unsharded flat
@@ -385,22 +357,19 @@ class FlatParamHandle:
 
     # -- gradients around a backward ---------------------------------------------------------
 
-    def begin_backward(self) -> None:
-        """Before this unit's first gradient of a backward: reconcile the carried state with what
-        the user did to the gradient they see (``zero_grad(set_to_none=True)`` drops all of it;
-        a partial reduction the user never sees is kept otherwise), then clear the flat
-        parameter's ``.grad`` so autograd accumulates this backward's gradient afresh."""
+    def reclaim(self, *, at_forward: bool = False) -> None:
+        """Take back the gradient the user sees, before this unit's backward: what they did to
+        it is reconciled with the carried state (``zero_grad(set_to_none=True)`` drops all of it;
+        a partial reduction they never see is kept), and the flat parameter's ``.grad`` is
+        cleared so autograd accumulates this backward's gradient afresh. ``at_forward``: only
+        what is safe at the root's forward, as FSDP1 does there: with ``use_orig_params`` a
+        gradient the user dropped is freed; the flat parameter's ``.grad`` stays the user's."""
         if self.use_orig_params:
-            self.release_if_zeroed()
-        else:
-            self.carried = self.carried.reclaimed(self.flat_param.grad, self.shard_numel)
-        self.flat_param.grad = None
-
-    def release_if_zeroed(self) -> None:
-        """With ``use_orig_params``: once the user has set every original parameter's ``.grad``
-        to None, drop the carried gradient they were views of (FSDP1 does this before forward)."""
-        if self.use_orig_params:
-            self.carried = self.carried.cleared_if(all(p.grad is None for p in self.orig_params))
+            self.carried = self.carried.reclaimed_from_views(all(p.grad is None for p in self.orig_params))
+        elif not at_forward:
+            self.carried = self.carried.reclaimed_from_flat(self.flat_param.grad, self.shard_numel)
+        if not at_forward:
+            self.flat_param.grad = None
 
     def take_grad(self) -> torch.Tensor:
         """The unsharded gradient autograd just accumulated, detached from the parameter."""
@@ -413,7 +382,7 @@ class FlatParamHandle:
     def hand_off(self, plan: Plan, grad: torch.Tensor) -> None:
         """Take what ``plan`` hands off: it becomes carried state and, without
         ``use_orig_params``, the flat parameter's ``.grad``."""
-        self.carried = self.carried.after(plan, grad)
+        self.carried = self.carried.handed_off(plan, grad)
         self.expose()
 
     def expose(self) -> None:
@@ -426,7 +395,7 @@ class FlatParamHandle:
         if shown is not None:
             set_grad(self.flat_param, shown)
 
-    def set_grad_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
+    def expose_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at their slices of ``grad`` (None where this
         rank holds none of a parameter); unsharded views take the parameter's shape."""
         by_index = {v.param_index: v for v in views}
@@ -441,11 +410,11 @@ class FlatParamHandle:
 
     def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The host buffer an offloaded gradient is copied into: one per unit, kept across
-        backwards and pinned when the device is a GPU (FSDP1's ``_cpu_grad``), so the
-        device-to-host copy can be non-blocking."""
+        backwards (FSDP1's ``_cpu_grad``), from the runtime (pinned on a GPU, so the
+        device-to-host copy can be non-blocking)."""
         buf = self._host_grad
         if buf is None or buf.numel() != numel or buf.dtype != dtype:
-            buf = torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
+            buf = self._runtime.host_empty(numel, dtype)
             self._host_grad = buf
         return buf
 
@@ -482,12 +451,3 @@ class FlatParamHandle:
         with torch.no_grad():
             self.local.copy_(self.shard_of(values, self.orig_dtype))
 
-
-def _keep_alive(work: dist.Work, *tensors: torch.Tensor) -> Callable[[], None]:
-    """``work.wait``, holding the collective's operands alive as long as the waiter lives."""
-
-    def wait() -> None:
-        work.wait()
-        assert tensors
-
-    return wait

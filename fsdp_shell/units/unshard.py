@@ -58,11 +58,6 @@ class UnshardRunner:
         self._forward: list[int] = []
         self._backward: list[int] = []
 
-    @property
-    def recorded(self) -> bool:
-        """Whether the schedule comes from a recorded iteration (prefetching)."""
-        return not self._recording
-
     def begin_forward(self) -> None:
         """The root's forward starts a new iteration."""
         if self._recording:

@@ -1,0 +1,300 @@
+"""FSDP's hooks on one iteration, as functions of ``(tree, unit)``: the whole runtime state machine.
+
+- ``forward``: a unit's forward. The root's first checks that the ranks agree, drops a backward
+  that did not finish and casts floating-point inputs; every unit gathers its parameters (the
+  all-gather schedule's actions for ``Event.PRE_FORWARD``), runs its module on views of the
+  unsharded flat parameter, reshards as the schedule says and hooks its outputs.
+- ``pre_backward`` (a hook on those outputs): the first queues ``end_of_backward`` on the
+  autograd engine; each unit gathers its parameters again before its gradient is computed.
+- ``post_backward`` (the flat parameter's post-accumulate-grad hook): asks the tree's verifying
+  plan cache for the plan of this unit's request and step flags (from the gradient state it
+  carries) and runs the plan's hook ops.
+- ``end_of_backward``: runs every plan's deferred ops, waits for the side streams (on the CPU:
+  the lane), and finishes every unit: original parameters back, what no plan resharded freed,
+  ``.grad`` shown where no plan handed one off.
+
+With ``ranks_may_diverge`` every event is first agreed with the other ranks
+(``fsdp_shell.safety.sequencer``), and the events another rank runs and this one would skip are
+run here too, virtually (``run_virtually``); without, the events are recorded and compared at the
+end of backward. FSDP's own collectives of each step turn a backend's timeout into a
+``CollectiveTimeoutError`` naming the step and unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+from typing_extensions import assert_never
+
+from fsdp_core import Event, HookEvent, step_flags
+from fsdp_shell.runtime.interpreter import PlanRun
+from fsdp_shell.runtime.log import Phase
+from fsdp_shell.safety.agreement import RankMismatchError, check_agreement, check_same_events
+from fsdp_shell.safety.timeouts import translating_timeouts
+from fsdp_shell.tree import IterationState, Tree
+
+__all__ = ["abandon_backward", "end_of_backward", "forward", "install", "post_backward", "pre_backward",
+           "run_virtually"]
+
+
+def install(tree: Tree) -> None:
+    """Hook every trainable unit's flat parameter: ``post_backward`` runs once autograd has
+    accumulated its gradient."""
+    for unit, h in enumerate(tree.handles):
+        if h is not None and h.flat_param.requires_grad:
+            h.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
+                functools.partial(post_backward, tree, unit))
+
+
+# -- forward ------------------------------------------------------------------------------------
+
+
+def forward(tree: Tree, unit: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module``'s forward as unit ``unit``: gather, run on the unsharded views, reshard, hook
+    the outputs so backward gathers again first."""
+    h = tree.handles[unit]
+    is_root = unit == tree.root
+    grad_on = torch.is_grad_enabled()
+    with tree.log.during(Phase.FORWARD):
+        with _waiting(tree, unit, "forward"):
+            if is_root:
+                args, kwargs = _begin_iteration(tree, args, kwargs, grad_on)
+            if h is not None:
+                if not is_root:
+                    _sequence(tree, HookEvent(Event.PRE_FORWARD, unit), grad_on)
+                if grad_on:
+                    tree.unshard.run(Event.PRE_FORWARD, unit)
+                h.finish_unshard()
+                h.use_unsharded_views()
+        try:
+            out = module(*args, **kwargs)
+            if is_root:
+                with _waiting(tree, unit, "end of forward"):
+                    _sequence(tree, HookEvent(Event.END_FORWARD, -1), grad_on)
+        finally:
+            if h is not None:
+                h.restore_params()
+        if h is not None:
+            with _waiting(tree, unit, "forward"):
+                if grad_on:
+                    tree.unshard.run(Event.POST_FORWARD, unit)
+                else:
+                    h.free_unsharded()
+    if grad_on:
+        for t in _tensors_in(out):
+            if t.requires_grad:
+                t.register_hook(functools.partial(pre_backward, tree, unit))  # type: ignore[no-untyped-call]  # unannotated in torch
+    return out
+
+
+def _begin_iteration(tree: Tree, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     grad_on: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The root's forward starts an iteration: the ranks agree (first time only), a backward that
+    did not finish is dropped, gradients the user dropped are freed, the inputs are cast."""
+    if not tree.first_forward_done:
+        tree.agreement_seconds = check_agreement(tree)
+        tree.first_forward_done = True
+    if tree.iteration.unfinished:
+        abandon_backward(tree)
+    tree.runtime.drain()
+    for h in tree.flat_handles:
+        h.reclaim(at_forward=True)
+    if grad_on:
+        tree.unshard.begin_forward()
+    low = tree.options.mixed_precision.param_dtype
+    if low is not None:
+        args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
+    return args, kwargs
+
+
+def _cast_floating(x: object, dtype: torch.dtype) -> object:
+    """FSDP1's root input cast: floating-point tensors to the compute dtype."""
+    if isinstance(x, torch.Tensor) and torch.is_floating_point(x):
+        return x.to(dtype)
+    return x
+
+
+# -- backward -----------------------------------------------------------------------------------
+
+
+def pre_backward(tree: Tree, unit: int, grad: torch.Tensor) -> torch.Tensor:
+    """A hook on unit ``unit``'s forward outputs: the first of a backward queues
+    ``end_of_backward``; the unit's parameters are gathered before its gradient is computed."""
+    it = tree.iteration
+    if not it.backward_started:
+        it.backward_started = True
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(end_of_backward, tree))
+    if unit not in it.unsharded_for_backward and tree.handles[unit] is not None:
+        with _waiting(tree, unit, "backward"):
+            _sequence(tree, HookEvent(Event.PRE_BACKWARD, unit), True)
+            _unshard_for_backward(tree, unit)
+    return grad
+
+
+def _unshard_for_backward(tree: Tree, unit: int) -> None:
+    h = tree.handles[unit]
+    assert h is not None
+    tree.iteration.unsharded_for_backward.add(unit)
+    with tree.log.during(Phase.PRE_BACKWARD):
+        h.reclaim()
+        tree.unshard.run(Event.PRE_BACKWARD, unit)
+        h.finish_unshard()
+    if tree.options.use_orig_params:
+        h.use_unsharded_views()
+
+
+def post_backward(tree: Tree, unit: int, flat_param: torch.Tensor) -> None:
+    """The flat parameter's post-accumulate-grad hook: reduce its new gradient."""
+    h = tree.handles[unit]
+    assert h is not None and h.flat_param is flat_param
+    if unit in tree.iteration.reduced_virtually:
+        raise RankMismatchError(
+            f"FSDP: unit {unit}'s gradient arrived on rank {dist.get_rank()} after the ranks had "
+            "reduced it with a zero gradient here: the ranks' backward orders differ, not only which "
+            "units they use")
+    with _waiting(tree, unit, "gradient reduction"):
+        _sequence(tree, HookEvent(Event.POST_BACKWARD, unit), True)
+        h.restore_params()
+        _reduce(tree, unit, h.take_grad())
+
+
+def _reduce(tree: Tree, unit: int, grad: torch.Tensor) -> None:
+    """Run the hook ops of unit ``unit``'s post-backward plan on ``grad``, its unsharded gradient."""
+    h = tree.handles[unit]
+    assert h is not None
+    s = tree.settings
+    flags = step_flags(h.carried.roles, sync_gradients=s.sync_gradients,
+                       requires_all_reduce=s.requires_all_reduce or not s.sync_gradients)
+    run = PlanRun(tree.plans(s.request(h.request, flags)), tree.runtime, h, grad, h.carried, s.comm_hook)
+    with tree.log.during(Phase.POST_BACKWARD):
+        run.run_hook_ops()
+        tree.iteration.runs.append((unit, run))
+        tree.unshard.run(Event.POST_BACKWARD, unit)
+
+
+def end_of_backward(tree: Tree) -> None:
+    """The autograd engine's callback once backward is done: every plan's deferred ops, then every
+    unit finished; a new iteration state."""
+    with _waiting(tree, tree.root, "end of backward"):
+        _sequence(tree, HookEvent(Event.END_BACKWARD, -1), True)
+        it = tree.iteration
+        try:
+            with tree.log.during(Phase.END_OF_BACKWARD):
+                for _, run in it.runs:
+                    run.run_callback_ops()
+                tree.runtime.drain()
+        finally:
+            _finish_units(tree, it)
+            tree.iteration = IterationState()
+        tree.unshard.end_backward()
+
+
+def _finish_units(tree: Tree, it: IterationState) -> None:
+    """After a backward: original parameters back; where no plan handed a gradient off, ``.grad``
+    shown as it was; what no plan resharded freed, unless the strategy keeps it for the next
+    accumulation step."""
+    reshard = tree.options.strategy.reshards_after_backward(tree.settings.sync_gradients)
+    handed_off = {unit for unit, run in it.runs if run.done}
+    for unit, h in enumerate(tree.handles):
+        if h is None:
+            continue
+        h.restore_params()
+        if unit not in handed_off:
+            h.expose()
+        if reshard:
+            h.free_unsharded()
+
+
+def abandon_backward(tree: Tree) -> None:
+    """The previous backward did not finish (an exception in a hook, or in the user's code
+    between backward's start and its end): drop its half-done work, as FSDP1's root forward
+    does, so this step starts clean. Gradients it had not finished are lost, as they are in
+    FSDP1; those handed to the optimizer before stay."""
+    it, tree.iteration = tree.iteration, IterationState()
+    with contextlib.suppress(RuntimeError):
+        tree.runtime.drain()
+    for unit, h in enumerate(tree.handles):
+        if h is None:
+            continue
+        h.restore_params()
+        if unit in it.unsharded_for_backward:
+            h.flat_param.grad = None
+        h.free_unsharded()
+        h.expose()
+
+
+# -- ranks that agree on every event ------------------------------------------------------------
+
+
+def _sequence(tree: Tree, event: HookEvent, grad_on: bool) -> None:
+    """With ``ranks_may_diverge``: agree with the other ranks that ``event`` is next here,
+    running first (virtually) every earlier event another rank is at. Without: record it, and at
+    the end of backward check that every rank ran the same events."""
+    sequencer = tree.sequencer
+    if sequencer is None:
+        if grad_on:
+            tree.iteration.events.append(event)
+        if event.event is Event.END_BACKWARD:
+            check_same_events(tree, tree.iteration.events)
+        return
+    while (decided := sequencer.agree(event)) != event:
+        run_virtually(tree, decided, grad_on)
+
+
+def run_virtually(tree: Tree, event: HookEvent, grad_on: bool) -> None:
+    """An event other ranks run and this one would skip: the same collectives, with nothing
+    computed (a zero gradient for the reduction)."""
+    unit = event.unit
+    h = tree.handles[unit]
+    assert h is not None
+    match event.event:
+        case Event.PRE_FORWARD:
+            if grad_on:
+                tree.unshard.run(Event.PRE_FORWARD, unit)
+            h.finish_unshard()
+            if grad_on:
+                tree.unshard.run(Event.POST_FORWARD, unit)
+            else:
+                h.free_unsharded()
+        case Event.PRE_BACKWARD:
+            if unit not in tree.iteration.unsharded_for_backward:
+                _unshard_for_backward(tree, unit)
+        case Event.POST_BACKWARD:
+            if unit not in tree.iteration.unsharded_for_backward:
+                _unshard_for_backward(tree, unit)
+            h.restore_params()
+            tree.iteration.reduced_virtually.add(unit)
+            _reduce(tree, unit, torch.zeros(h.layout.total_numel, dtype=h.flat_param.dtype, device=h.flat_param.device))
+        case Event.POST_FORWARD | Event.END_FORWARD | Event.END_BACKWARD:
+            raise AssertionError(f"{event.event.value} is never run virtually")
+        case _:
+            assert_never(event.event)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _waiting(tree: Tree, unit: int, step: str) -> contextlib.AbstractContextManager[None]:
+    return translating_timeouts(step, tree.where(unit), sequenced=tree.options.ranks_may_diverge)
+
+
+def _tensors_in(out: object) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output, as FSDP1's ``_apply_to_tensors`` finds them: pytree
+    containers (tuples, lists, dicts, namedtuples, Hugging Face ``ModelOutput``) and dataclasses."""
+    seen: set[int] = set()
+    stack = [out]
+    while stack:
+        leaves, _ = tree_flatten(stack.pop())
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                stack.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))

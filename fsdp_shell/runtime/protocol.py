@@ -1,0 +1,98 @@
+"""The device seam: what the interpreter and the flat parameters ask of a device, and the record
+of an issued collective.
+
+The interpreter (``fsdp_shell.runtime.interpreter``) turns each plan op into one call of a
+``Runtime``; the flat parameters ask it for their all-gathers and host buffers. Nothing else in
+the shell knows how a device orders work: ``CpuRuntime`` (``runtime.cpu``) runs it on the host
+thread or on one lane thread, ``CudaRuntime`` (``runtime.cuda``) enqueues it on CUDA streams.
+Every call names the plan stream the work belongs to and the tensors it reads or writes, so a
+runtime can order it after what produces them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from fsdp_core import Group, ReduceOpSpec, Stream
+
+__all__ = ["Pending", "Runtime"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Pending:
+    """An issued asynchronous collective: its ``Work``, the tensors it reads and writes (held
+    here, so they live until it has completed whatever else drops them), and ``then``, the local
+    step that completes the result once the transfer has landed (for example summing received
+    chunks). ``wait`` blocks the host (on CUDA: the current stream) until the result is in place."""
+
+    work: dist.Work
+    operands: tuple[torch.Tensor, ...] = ()
+    then: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        """Until the collective's result is in place."""
+        self.work.wait()
+        if self.then is not None:
+            self.then()
+
+
+class Runtime(Protocol):
+    """Where a plan's ops and a unit's all-gathers run.
+
+    ``uses`` are the tensors a piece of work reads or writes: a runtime that runs work out of
+    program order (the CPU lane) orders it after every earlier work on those tensors and on its
+    stream; a stream-ordered device needs only the stream."""
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device, stream: Stream) -> torch.Tensor:
+        """A new 1-D buffer on ``device``, allocated for use on ``stream``."""
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer that device-to-host copies land in (pinned where that lets them run
+        asynchronously)."""
+
+    def compute(self, stream: Stream, work: Callable[[], object], uses: tuple[torch.Tensor, ...]) -> None:
+        """Run element-wise ``work`` in ``stream``'s order, after earlier work on ``uses``."""
+
+    def on_host(self, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
+        """Run ``work`` on the host thread once every earlier work on ``uses`` is done (it hands
+        them to autograd or to the optimizer)."""
+
+    def reduce_scatter(self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor,
+                       op: ReduceOpSpec, *, src_dies: bool) -> None:
+        """Reduce ``src`` over ``group`` and leave this rank's chunk in ``dst``; ``src_dies``:
+        nothing reads ``src`` afterwards, so the reduction may overwrite it."""
+
+    def all_reduce(self, stream: Stream, group: Group, tensor: torch.Tensor, op: ReduceOpSpec) -> None:
+        """Reduce ``tensor`` over ``group`` in place."""
+
+    def comm_hook(self, stream: Stream, group: Group, call: Callable[[], None], src: torch.Tensor,
+                  out: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        """Run a communication hook (``call``) that reduces ``src`` over ``group`` into ``out``
+        (``src`` itself when in place), communicating in ``wire_dtype``."""
+
+    def to_host(self, stream: Stream, src: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``src``'s value on the host: ``src`` itself when it is there already, else copied
+        (asynchronously where the device allows) into ``buffer()``; the end of backward waits
+        for the copy."""
+
+    def wait_stream(self, stream: Stream, waits_for: Stream) -> None:
+        """``stream`` waits for the work enqueued on ``waits_for`` so far."""
+
+    def end_of_backward(self, stream: Stream, waits_for: Stream) -> None:
+        """At the end of backward: ``stream``, and the host where results go to the host, wait
+        for everything on ``waits_for``."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
+        """``tensor`` is in use on ``stream``: its memory is not handed out again until
+        ``stream``'s work so far is done (the caching allocator's bookkeeping)."""
+
+    def drain(self) -> None:
+        """Block until all work issued so far has completed; raise what failed out of order."""
+
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
+        """Issue the all-gather of every shard-group rank's ``src`` into ``out`` (a unit's
+        unsharded flat parameter); None when it has landed already."""

@@ -1,0 +1,136 @@
+"""Which modules become FSDP units, and each unit's flat parameter.
+
+``find_units`` lists the units bottom-up, as FSDP1 wraps them: every submodule the wrap policy
+selects that holds parameters, after its own descendants, siblings in registration order, and
+the root last. ``build_handles`` then flattens, in that order, the parameters each unit's module
+owns outside nested units into one ``FlatParamHandle``; a parameter another unit has already
+flattened is refused (FSDP1 too needs every use of a shared parameter inside the unit that
+flattens it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_core import CommHook, Division, FlatParamLayout, PlanRequest, ShardingSpec
+from fsdp_shell.options import Options, WrapPolicy
+from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.units.flat_param import FlatParamHandle, OrigParam
+
+__all__ = ["UnitSite", "build_handles", "find_units", "param_names"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class UnitSite:
+    """A module that becomes a unit, and where it is registered: ``parent.<attr>`` (None and ""
+    for the root)."""
+
+    module: nn.Module
+    parent: nn.Module | None
+    attr: str
+
+
+def find_units(module: nn.Module, policy: WrapPolicy | None,
+               is_wrapped: Callable[[nn.Module], bool]) -> list[UnitSite]:
+    """The units of ``module`` bottom-up, the root last. Submodules already wrapped
+    (``is_wrapped``: an FSDP tree of their own) are left alone with their descendants."""
+    found: list[UnitSite] = []
+
+    def visit(m: nn.Module) -> None:
+        for name, child in list(m.named_children()):
+            if is_wrapped(child):
+                continue
+            visit(child)
+            if policy is not None and policy(child) and any(True for _ in child.parameters()):
+                found.append(UnitSite(child, m, name))
+
+    visit(module)
+    found.append(UnitSite(module, None, ""))
+    return found
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """Every parameter of ``module`` by ``id``: its first name in the unwrapped model."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    if not names:
+        raise ValueError(f"module: {type(module).__name__} has no parameters; there is nothing to shard")
+    return names
+
+
+def build_handles(sites: Sequence[UnitSite], names: Mapping[int, str], options: Options, *, division: Division,
+                  sharding: ShardingSpec, runtime: Runtime, shard_group: dist.ProcessGroup,
+                  device: torch.device, is_wrapped: Callable[[nn.Module], bool]) -> tuple[FlatParamHandle | None, ...]:
+    """Each site's flat parameter (None for a unit that owns no parameter), in the sites' order."""
+    units = {id(s.module) for s in sites}
+    owners: dict[int, str] = {}
+    handles: list[FlatParamHandle | None] = []
+    for site in sites:
+        owned = _owned_params(site.module, names, owners, lambda m: id(m) in units or is_wrapped(m))
+        handles.append(_handle(owned, options, division, sharding, runtime, shard_group, device) if owned else None)
+    return tuple(handles)
+
+
+def _owned_params(module: nn.Module, names: Mapping[int, str], owners: dict[int, str],
+                  is_unit: Callable[[nn.Module], bool]) -> list[tuple[OrigParam, nn.Parameter]]:
+    """The parameters ``module`` owns outside nested units, with their unwrapped names, each
+    once (a tied parameter with its further registrations as aliases); ``owners`` records which
+    unit flattened each one."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+
+    def visit(m: nn.Module) -> None:
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            owner = owners.get(id(p))
+            if owner is not None:
+                prefix = names[id(p)].rpartition(".")[0]
+                raise ValueError(
+                    f"module: parameter {names[id(p)]} is shared across FSDP units: the unit of "
+                    f"{owner!r} flattened it and {type(m).__name__}.{attr} of another unit uses it too; "
+                    f"a shared parameter must be used inside one unit, so wrap both uses in one (their "
+                    f"lowest common ancestor), e.g. keep {prefix or 'its module'} out of auto_wrap_policy")
+            slots.setdefault(id(p), []).append((m, attr))
+            tensors[id(p)] = p
+        for child in m.children():
+            if not is_unit(child):
+                visit(child)
+
+    visit(module)
+    out: list[tuple[OrigParam, nn.Parameter]] = []
+    for key, ((m, attr), *aliases) in slots.items():
+        out.append((OrigParam(module=m, attr=attr, fqn=names[key], aliases=tuple(aliases)), tensors[key]))
+    label = type(module).__name__ + (f" holding {out[0][0].fqn}" if out else "")
+    for key in slots:
+        owners[key] = label
+    return out
+
+
+def _handle(owned: list[tuple[OrigParam, nn.Parameter]], options: Options, division: Division,
+            sharding: ShardingSpec, runtime: Runtime, shard_group: dist.ProcessGroup,
+            device: torch.device) -> FlatParamHandle:
+    params, tensors = [o for o, _ in owned], [t for _, t in owned]
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"module: one FSDP unit needs one parameter dtype, got {sorted(map(str, dtypes))}")
+    if len({t.requires_grad for t in tensors}) != 1 and not options.use_orig_params:
+        frozen = [p.fqn for p, t in owned if not t.requires_grad]
+        raise ValueError(f"module: frozen parameters ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}) "
+                         "beside trainable ones in one FSDP unit need use_orig_params=True (as in FSDP1), "
+                         "or wrap the frozen ones in a unit of their own")
+    (dtype,) = dtypes
+    compute = options.mixed_precision.compute_dtype(dtype)
+    layout = FlatParamLayout.of([(p.fqn, tuple(t.shape)) for p, t in owned], dtype,
+                                align=options.use_orig_params, align_dtype=compute)
+    request = PlanRequest(layout=layout, sharding=sharding, mixed_precision=options.mixed_precision,
+                          offload=options.offload, comm_hook=CommHook.NONE, division=division,
+                          use_orig_params=options.use_orig_params, hybrid_all_reduce=options.hybrid_all_reduce)
+    return FlatParamHandle(params, tensors, base_request=request, runtime=runtime, shard_group=shard_group,
+                           device=device)
