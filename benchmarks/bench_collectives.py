@@ -20,15 +20,15 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.dist_harness import run_world  # noqa: E402
+from tests.dist_harness import run_world
 
 SIZES = (544, 65_536, 1 << 20, 4 << 20)
 

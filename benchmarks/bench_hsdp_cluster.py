@@ -60,8 +60,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar, cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -70,8 +71,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_core import ShardingStrategy  # noqa: E402
-from fsdp_core.sim import ( # noqa: E402
+from fsdp_core import ShardingStrategy
+from fsdp_core.sim import (
     Collective,
     CollectiveSample,
     IterationTimeline,
@@ -88,7 +89,7 @@ from fsdp_core.sim import ( # noqa: E402
     model_from_measurements,
     simulate_iteration,
 )
-from fsdp_shell import FSDP  # noqa: E402
+from fsdp_shell import FSDP
 
 D_MODEL, HEADS, FF, BLOCKS = 256, 4, 1024, 6
 
@@ -102,7 +103,8 @@ class Model(nn.Module):
         super().__init__()
         self.inp = nn.Linear(32, D_MODEL)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, dropout=0.0, batch_first=True) for _ in range(BLOCKS))
+            nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, dropout=0.0, batch_first=True) for _ in range(BLOCKS)
+        )
         self.head = nn.Linear(D_MODEL, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,19 +119,28 @@ def _build(config: str, mesh: DeviceMesh) -> nn.Module:
     torch.manual_seed(0)
     module = Model()
     if config.startswith("fsdp1"):
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy as TorchStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         hybrid = config.endswith("hybrid")
         return FullyShardedDataParallel(
-            module, auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}), device_id=torch.device("cpu"),
+            module,
+            auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
+            device_id=torch.device("cpu"),
             sharding_strategy=TorchStrategy.HYBRID_SHARD if hybrid else TorchStrategy.FULL_SHARD,
-            device_mesh=mesh if hybrid else None)
+            device_mesh=mesh if hybrid else None,
+        )
     if config == "ours-full":
         return FSDP(module, auto_wrap_policy={nn.TransformerEncoderLayer})
     placement = config.rsplit("-", 1)[1]
-    return FSDP(module, auto_wrap_policy={nn.TransformerEncoderLayer}, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                device_mesh=mesh, hybrid_all_reduce=placement)
+    return FSDP(
+        module,
+        auto_wrap_policy={nn.TransformerEncoderLayer},
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_mesh=mesh,
+        hybrid_all_reduce=placement,
+    )
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, shape: tuple[int, int]) -> float:
@@ -191,8 +202,9 @@ Started = Callable[[], Callable[[], None]]
 """Issues a collective; returns what waits for it to land."""
 
 
-def _block_collectives(numel: int, groups: dict[str, dist.ProcessGroup],
-                       replicate: dist.ProcessGroup) -> dict[tuple[str, str], tuple[int, Started]]:
+def _block_collectives(
+    numel: int, groups: dict[str, dist.ProcessGroup], replicate: dist.ProcessGroup
+) -> dict[tuple[str, str], tuple[int, Started]]:
     """Every collective FSDP issues for a unit of ``numel`` parameters, as the runtime issues it:
     the all-gather into a fresh buffer (an unshard allocates one), the reduce-scatter by
     ``fsdp_shell.runtime.cpu.gloo_reduce_scatter``, the replicate all-reduce of one shard. Keys
@@ -211,18 +223,22 @@ def _block_collectives(numel: int, groups: dict[str, dist.ProcessGroup],
     out: dict[tuple[str, str], tuple[int, Started]] = {}
     part = torch.randn(-(-numel // 2))
     out[("all_reduce", "inter_node")] = (
-        part.numel() * 4, lambda: waiter(dist.all_reduce(part, group=replicate, async_op=True)))
+        part.numel() * 4,
+        lambda: waiter(dist.all_reduce(part, group=replicate, async_op=True)),
+    )
     for link, group in groups.items():
         size = group.size()
         padded = -(-numel // size) * size
         full, shard = torch.randn(padded), torch.randn(padded // size)
 
-        def gather(group: dist.ProcessGroup = group, padded: int = padded, shard: torch.Tensor = shard
-                   ) -> Callable[[], None]:
+        def gather(
+            group: dist.ProcessGroup = group, padded: int = padded, shard: torch.Tensor = shard
+        ) -> Callable[[], None]:
             return waiter(all_gather_flat(torch.empty(padded), shard, group, async_op=True))
 
-        def scatter(group: dist.ProcessGroup = group, full: torch.Tensor = full, size: int = size
-                    ) -> Callable[[], None]:
+        def scatter(
+            group: dist.ProcessGroup = group, full: torch.Tensor = full, size: int = size
+        ) -> Callable[[], None]:
             return gloo_reduce_scatter(torch.empty(full.numel() // size), full, group, may_overwrite_src=False).wait
 
         out[("all_gather", link)] = (padded * 4, gather)
@@ -249,13 +265,20 @@ def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[
     samples = []
     for numel in (block_numel, block_numel // 4):
         for (collective, link), (nbytes, start) in _block_collectives(numel, groups, replicate).items():
-            samples.append(CollectiveSample(collective=Collective(collective), link=Link(link), nbytes=nbytes,
-                                            ms=_mean_ms(lambda: start()(), repeats)))
+            samples.append(
+                CollectiveSample(
+                    collective=Collective(collective),
+                    link=Link(link),
+                    nbytes=nbytes,
+                    ms=_mean_ms(lambda start=start: start()(), repeats),
+                )
+            )
     block = {key: start for key, (_, start) in _block_collectives(block_numel, groups, replicate).items()}
     slowdowns, sharing = _interference(block, repeats)
     units, outside = _unit_compute(_build("ours-hybrid-async", mesh), repeats, shape, rank)
-    return Measurements(units=units, samples=tuple(samples), ranks_per_node=2, slowdowns=slowdowns,
-                        sharing=sharing), outside
+    return Measurements(
+        units=units, samples=tuple(samples), ranks_per_node=2, slowdowns=slowdowns, sharing=sharing
+    ), outside
 
 
 def _world() -> dist.ProcessGroup:
@@ -264,8 +287,9 @@ def _world() -> dist.ProcessGroup:
     return group
 
 
-def _interference(block: dict[tuple[str, str], Started], repeats: int) -> tuple[tuple[SlowdownSample, ...],
-                                                                               tuple[SharingSample, ...]]:
+def _interference(
+    block: dict[tuple[str, str], Started], repeats: int
+) -> tuple[tuple[SlowdownSample, ...], tuple[SharingSample, ...]]:
     """A block's collectives timed alone and beside what runs beside them in training:
 
     - ``Load.OTHER_LINK``: the intra-node all-gather and reduce-scatter while the replicate
@@ -324,8 +348,7 @@ def _interference(block: dict[tuple[str, str], Started], repeats: int) -> tuple[
         wait_all_reduce = block[("all_reduce", "inter_node")]()
         traffic.start()
         wait_all_reduce()
-        loaded.setdefault((Load.OTHER_LINK, "all_reduce", "inter_node"), []).append(
-            (time.perf_counter() - begin) * 1e3)
+        loaded.setdefault((Load.OTHER_LINK, "all_reduce", "inter_node"), []).append((time.perf_counter() - begin) * 1e3)
         traffic.join()
         for link in together:
             dist.barrier()
@@ -335,18 +358,30 @@ def _interference(block: dict[tuple[str, str], Started], repeats: int) -> tuple[
             wait_gather()
             together[link].append((time.perf_counter() - begin) * 1e3)
     slowdowns = tuple(
-        SlowdownSample(load=load, collective=Collective(collective), link=Link(link),
-                       alone_ms=statistics.fmean(alone[(collective, link)]), loaded_ms=statistics.fmean(values))
-        for (load, collective, link), values in loaded.items())
+        SlowdownSample(
+            load=load,
+            collective=Collective(collective),
+            link=Link(link),
+            alone_ms=statistics.fmean(alone[(collective, link)]),
+            loaded_ms=statistics.fmean(values),
+        )
+        for (load, collective, link), values in loaded.items()
+    )
     sharing = tuple(
-        SharingSample(link=Link(link), first_ms=statistics.fmean(alone[("all_gather", link)]),
-                      second_ms=statistics.fmean(alone[("reduce_scatter", link)]), together_ms=statistics.fmean(values))
-        for link, values in together.items())
+        SharingSample(
+            link=Link(link),
+            first_ms=statistics.fmean(alone[("all_gather", link)]),
+            second_ms=statistics.fmean(alone[("reduce_scatter", link)]),
+            together_ms=statistics.fmean(values),
+        )
+        for link, values in together.items()
+    )
     return slowdowns, sharing
 
 
-def _unit_compute(model: nn.Module, steps: int, shape: tuple[int, int], rank: int, warmup: int = 2) -> tuple[
-        tuple[MeasuredUnit, ...], float]:
+def _unit_compute(
+    model: nn.Module, steps: int, shape: tuple[int, int], rank: int, warmup: int = 2
+) -> tuple[tuple[MeasuredUnit, ...], float]:
     """Each unit's forward and backward compute as it runs inside training on this cluster
     (so with the other ranks' compute and the collectives competing for the cores), means over
     ``steps`` steps after ``warmup`` (a new model's first steps allocate and initialise):
@@ -412,9 +447,18 @@ def _unit_compute(model: nn.Module, steps: int, shape: tuple[int, int], rank: in
 
     numel = sum(p.numel() for p in nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, batch_first=True).parameters())
     root_numel = (32 + 1) * D_MODEL + D_MODEL + 1
-    units = (MeasuredUnit(name="root", param_bytes=root_numel * 4, forward_ms=0.0, backward_ms=0.0),
-             *(MeasuredUnit(name=f"block{i}", param_bytes=numel * 4, forward_ms=span(i, "f0", "f1"),
-                            backward_ms=span(i, "b0", "grad")) for i in range(len(blocks))))
+    units = (
+        MeasuredUnit(name="root", param_bytes=root_numel * 4, forward_ms=0.0, backward_ms=0.0),
+        *(
+            MeasuredUnit(
+                name=f"block{i}",
+                param_bytes=numel * 4,
+                forward_ms=span(i, "f0", "f1"),
+                backward_ms=span(i, "b0", "grad"),
+            )
+            for i in range(len(blocks))
+        ),
+    )
     return units, statistics.fmean(outside)
 
 
@@ -443,16 +487,23 @@ def _simulate(measured: Measurements) -> dict[str, IterationTimeline]:
     # gloo runs a group's asynchronous collectives side by side on its worker threads: FSDP's
     # backward all-gather and reduce-scatter of one group overlap (and share their link).
     links = links_from_measurements(measured, one_collective_per_group=False)
-    return {config: simulate_iteration(model, schedule, links) for config, schedule in
-            (("ours-full", Schedule.FSDP), ("ours-hybrid-sync", Schedule.HSDP_SYNC),
-             ("ours-hybrid-async", Schedule.HSDP_ASYNC))}
+    return {
+        config: simulate_iteration(model, schedule, links)
+        for config, schedule in (
+            ("ours-full", Schedule.FSDP),
+            ("ours-hybrid-sync", Schedule.HSDP_SYNC),
+            ("ours-hybrid-async", Schedule.HSDP_ASYNC),
+        )
+    }
 
 
-def _write_simulated(directory: Path, measurements: Measurements, outside: float,
-                     simulated: dict[str, IterationTimeline]) -> None:
+def _write_simulated(
+    directory: Path, measurements: Measurements, outside: float, simulated: dict[str, IterationTimeline]
+) -> None:
     """Beside the profiled traces: ``calibration.json`` (what was measured, means over ranks) and
     each simulated iteration as a chart (``simulated-<config>.txt``) and a Perfetto trace
     (``simulated-<config>.json``)."""
+
     def plain(value: object) -> object:
         if isinstance(value, enum.Enum):
             return value.value
@@ -494,11 +545,19 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1000.0, help="inter-node link, Mbit/s (default 1000)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
     parser.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
-    parser.add_argument("--trace", default=None, help="write per-rank Perfetto traces of one FULL_SHARD, sync and async step (with --calibrate also the simulated ones)")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="write per-rank Perfetto traces of one FULL_SHARD, sync and async step "
+        "(with --calibrate also the simulated ones)",
+    )
     parser.add_argument("--loopback", action="store_true", help="plain loopback, no emulated link (smoke test)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="also time every collective alone and each unit's compute, and print what the "
-                             "iteration simulator (fsdp_core.simulate_iteration) predicts beside the measurements")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also time every collective alone and each unit's compute, and print what the "
+        "iteration simulator (fsdp_core.simulate_iteration) predicts beside the measurements",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     trace = None if args.trace is None else str(Path(args.trace).resolve())
@@ -520,42 +579,70 @@ def main() -> None:
             sys.exit(f"bench_hsdp_cluster: {reason}")
         run = lambda fn, a: run_on_cluster(fn, a, rate_mbit=args.rate, ranks_per_node=2, timeout=3600)  # noqa: E731
         where = f"2 nodes x 2 ranks, {args.rate:g} Mbit/s between the nodes"
-    print(f"{where}; {BLOCKS} encoder blocks of 0.79 M parameters, batch {args.batch} x {args.seq}; "
-          f"{args.rounds} interleaved rounds after {args.warmup} warm-up; median of per-round worst-rank times")
+    print(
+        f"{where}; {BLOCKS} encoder blocks of 0.79 M parameters, batch {args.batch} x {args.seq}; "
+        f"{args.rounds} interleaved rounds after {args.warmup} warm-up; median of per-round worst-rank times"
+    )
     measured = _report(run(seed_table, arg), args.rounds)  # type: ignore[arg-type]
     if args.calibrate:
         per_rank = cast(list[tuple[Measurements, float]], run(calibrate, (9, shape)))  # type: ignore[arg-type]
         measurements = _mean_record([m for m, _ in per_rank])
         outside = statistics.fmean(o for _, o in per_rank)
-        print("  collectives alone (mean of 9, mean over ranks): " + "; ".join(
-            f"{s.collective.value} {s.link.value} {s.nbytes / 2**20:.2f} MiB {s.ms:.1f} ms"
-            for s in measurements.samples))
-        print("  beside a load (alone -> loaded ms): " + "; ".join(
-            f"{s.collective.value} {s.link.value} | {s.load.value} {s.alone_ms:.1f} -> {s.loaded_ms:.1f}"
-            for s in measurements.slowdowns))
-        print("  all-gather + reduce-scatter of one group, alone -> together (ms): " + "; ".join(
-            f"{s.link.value} {s.first_ms:.1f} + {s.second_ms:.1f} -> {s.together_ms:.1f}" for s in measurements.sharing))
-        print("  compute per unit (fwd/bwd ms): " + ", ".join(
-            f"{u.name} {u.forward_ms:.1f}/{u.backward_ms:.1f}" for u in measurements.units))
+        print(
+            "  collectives alone (mean of 9, mean over ranks): "
+            + "; ".join(
+                f"{s.collective.value} {s.link.value} {s.nbytes / 2**20:.2f} MiB {s.ms:.1f} ms"
+                for s in measurements.samples
+            )
+        )
+        print(
+            "  beside a load (alone -> loaded ms): "
+            + "; ".join(
+                f"{s.collective.value} {s.link.value} | {s.load.value} {s.alone_ms:.1f} -> {s.loaded_ms:.1f}"
+                for s in measurements.slowdowns
+            )
+        )
+        print(
+            "  all-gather + reduce-scatter of one group, alone -> together (ms): "
+            + "; ".join(
+                f"{s.link.value} {s.first_ms:.1f} + {s.second_ms:.1f} -> {s.together_ms:.1f}"
+                for s in measurements.sharing
+            )
+        )
+        print(
+            "  compute per unit (fwd/bwd ms): "
+            + ", ".join(f"{u.name} {u.forward_ms:.1f}/{u.backward_ms:.1f}" for u in measurements.units)
+        )
         simulated = _simulate(measurements)
         links = simulated["ours-full"].links
         c = links.compute_slowdown
-        print(f"  measured link model: cross_link_slowdown {links.cross_link_slowdown:.2f}; beside compute: "
-              f"all-gather {c.all_gather_intra:.2f} intra / {c.all_gather_inter:.2f} inter, reduce-scatter "
-              f"{c.reduce_scatter_intra:.2f} / {c.reduce_scatter_inter:.2f}, all-reduce {c.all_reduce_inter:.2f}; "
-              f"contention {links.contention:.2f} (collectives of one group side by side, as gloo runs them)")
-        print(f"  outside the simulated iteration (input, optimizer step, zero_grad, barrier): {outside:.1f} ms, "
-              f"added to each prediction")
+        print(
+            f"  measured link model: cross_link_slowdown {links.cross_link_slowdown:.2f}; beside compute: "
+            f"all-gather {c.all_gather_intra:.2f} intra / {c.all_gather_inter:.2f} inter, reduce-scatter "
+            f"{c.reduce_scatter_intra:.2f} / {c.reduce_scatter_inter:.2f}, all-reduce {c.all_reduce_inter:.2f}; "
+            f"contention {links.contention:.2f} (collectives of one group side by side, as gloo runs them)"
+        )
+        print(
+            f"  outside the simulated iteration (input, optimizer step, zero_grad, barrier): {outside:.1f} ms, "
+            f"added to each prediction"
+        )
         for config, timeline in simulated.items():
             ms = timeline.iteration_ms + outside
-            print(f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
-                  f"simulated/measured {ms / measured[config]:.2f}")
+            print(
+                f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
+                f"simulated/measured {ms / measured[config]:.2f}"
+            )
         if trace is not None:
             _write_simulated(Path(trace), measurements, outside, simulated)
     if trace is not None:
-        print(f"  traces: {trace}/ours-{{full,hybrid-sync,hybrid-async}}-rank<r>.json (open in ui.perfetto.dev)"
-              + (f"; simulated: {trace}/simulated-<config>.{{txt,json}}, {trace}/calibration.json"
-                 if args.calibrate else ""))
+        print(
+            f"  traces: {trace}/ours-{{full,hybrid-sync,hybrid-async}}-rank<r>.json (open in ui.perfetto.dev)"
+            + (
+                f"; simulated: {trace}/simulated-<config>.{{txt,json}}, {trace}/calibration.json"
+                if args.calibrate
+                else ""
+            )
+        )
 
 
 if __name__ == "__main__":

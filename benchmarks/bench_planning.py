@@ -51,9 +51,9 @@ def main() -> None:
     print(f"{'configuration':<34}{'build':>12}{'cache hit':>12}{'verify':>12}   (us per call)")
     for name, request in _requests().items():
         plan = cache(request)
-        build = _median_us(lambda: build_plan(request), 200)
-        hit = _median_us(lambda: cache(request), 20000)
-        verify = _median_us(lambda: check_plan(plan), 200)
+        build = _median_us(lambda request=request: build_plan(request), 200)
+        hit = _median_us(lambda request=request: cache(request), 20000)
+        verify = _median_us(lambda plan=plan: check_plan(plan), 200)
         print(f"{name:<34}{build:>12.1f}{hit:>12.2f}{verify:>12.1f}")
 
 

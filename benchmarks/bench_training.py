@@ -35,8 +35,8 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_core import ShardingStrategy, check_plan  # noqa: E402
-from fsdp_shell import FSDP  # noqa: E402
-from tests.dist_harness import run_world  # noqa: E402
+from fsdp_core import ShardingStrategy, check_plan
+from fsdp_shell import FSDP
+from tests.dist_harness import run_world
 
 
 class Layer(nn.Module):
@@ -82,12 +82,18 @@ def _ours(kind: str, mesh: DeviceMesh | None) -> nn.Module:
 
 
 def _fsdp1(kind: str, mesh: DeviceMesh | None) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     strategy = TorchStrategy.HYBRID_SHARD if mesh is not None else TorchStrategy.FULL_SHARD
-    return FullyShardedDataParallel(_model(kind), auto_wrap_policy=ModuleWrapPolicy({Layer}),
-                                    device_id=torch.device("cpu"), sharding_strategy=strategy, device_mesh=mesh)
+    return FullyShardedDataParallel(
+        _model(kind),
+        auto_wrap_policy=ModuleWrapPolicy({Layer}),
+        device_id=torch.device("cpu"),
+        sharding_strategy=strategy,
+        device_mesh=mesh,
+    )
 
 
 def _fsdp2(kind: str, mesh: DeviceMesh | None) -> nn.Module:
@@ -101,8 +107,17 @@ def _fsdp2(kind: str, mesh: DeviceMesh | None) -> nn.Module:
 
 
 BUILDERS: dict[str, Callable[[str, DeviceMesh | None], nn.Module]] = {"ours": _ours, "fsdp1": _fsdp1, "fsdp2": _fsdp2}
-COUNTED = ("aten::fill_", "aten::zero_", "aten::add_", "aten::copy_", "aten::cat", "aten::slice_backward",
-           "gloo:all_gather", "gloo:all_reduce", "gloo:all_to_all")
+COUNTED = (
+    "aten::fill_",
+    "aten::zero_",
+    "aten::add_",
+    "aten::copy_",
+    "aten::cat",
+    "aten::slice_backward",
+    "gloo:all_gather",
+    "gloo:all_reduce",
+    "gloo:all_to_all",
+)
 
 
 def _batch(kind: str, step: int, rank: int) -> torch.Tensor:
@@ -152,13 +167,25 @@ def bench(rank: int, world: int, arg: tuple[str, int]) -> dict[str, object]:
     for plan in plans:
         check_plan(plan)
     verify_us = (time.perf_counter() - start) / len(plans) * 1e6
-    return {"times": times, "losses": losses, "counts": counts,
-            "plans": (cache.misses, cache.hits, verify_us)}
+    return {"times": times, "losses": losses, "counts": counts, "plans": (cache.misses, cache.hits, verify_us)}
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_in_use() -> Callable[[], float]:
@@ -185,7 +212,7 @@ def memory(rank: int, world: int, arg: tuple[str, str, int]) -> tuple[float, flo
     for step in range(steps):
         before, peak, done = in_use(), [0.0], threading.Event()
 
-        def sample() -> None:
+        def sample(done: threading.Event = done, peak: list[float] = peak) -> None:
             while not done.is_set():
                 peak[0] = max(peak[0], in_use())
                 time.sleep(0.0003)
@@ -225,14 +252,26 @@ def main() -> None:
             lo, mid, hi = _quartiles([a / b for a, b in zip(ours, times[other])])
             line.append(f"{other} {statistics.median(times[other]) * 1e3:7.2f} ms, ratio {mid:.2f} [{lo:.2f}-{hi:.2f}]")
         print(" | ".join(line))
-        worst = max(abs(a - b) for per_rank in out for other in ("fsdp1", "fsdp2")
-                    for a, b in zip(per_rank["losses"]["ours"], per_rank["losses"][other]))  # type: ignore[index]
-        print(f"{'':>8}losses: largest difference from FSDP1/FSDP2 over {len(losses['ours'])} steps, all ranks: {worst:.2e}")
+        worst = max(
+            abs(a - b)
+            for per_rank in out
+            for other in ("fsdp1", "fsdp2")
+            for a, b in zip(per_rank["losses"]["ours"], per_rank["losses"][other])
+        )  # type: ignore[index]
+        print(
+            f"{'':>8}losses: largest difference from FSDP1/FSDP2 over {len(losses['ours'])} steps, "
+            f"all ranks: {worst:.2e}"
+        )
         counts = out[0]["counts"]
         assert isinstance(counts, dict)
-        print(f"{'':>8}ops per step (rank 0): " + "; ".join(
-            f"{op.split(':')[-1]} " + "/".join(str(counts[n][op]) for n in ("ours", "fsdp1", "fsdp2"))
-            for op in COUNTED) + "  (ours/fsdp1/fsdp2)")
+        print(
+            f"{'':>8}ops per step (rank 0): "
+            + "; ".join(
+                f"{op.split(':')[-1]} " + "/".join(str(counts[n][op]) for n in ("ours", "fsdp1", "fsdp2"))
+                for op in COUNTED
+            )
+            + "  (ours/fsdp1/fsdp2)"
+        )
         misses, hits, verify_us = out[0]["plans"]  # type: ignore[misc]
         print(f"{'':>8}plans: {misses} built and verified once ({verify_us:.0f} us each), {hits} cache hits")
     for kind in args.memory_models.split(","):
@@ -242,10 +281,15 @@ def main() -> None:
             for name in BUILDERS:
                 per_rank = run_world(ranks, memory, (kind, name, args.memory_steps), timeout=600)
                 runs[name].append((max(r for r, _ in per_rank), max(g for _, g in per_rank)))
-        print(f"{kind:>6} memory per rank, each alone, {args.memory_steps} steps, median of {args.memory_runs} "
-              "runs (worst rank): " + ", ".join(
-                  f"{n} RSS {statistics.median(r for r, _ in v):.0f} MiB, step peak +{statistics.median(g for _, g in v):.1f} MiB"
-                  for n, v in runs.items()))
+        print(
+            f"{kind:>6} memory per rank, each alone, {args.memory_steps} steps, median of {args.memory_runs} "
+            "runs (worst rank): "
+            + ", ".join(
+                f"{n} RSS {statistics.median(r for r, _ in v):.0f} MiB, "
+                f"step peak +{statistics.median(g for _, g in v):.1f} MiB"
+                for n, v in runs.items()
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -57,11 +57,12 @@ import tempfile
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -110,13 +111,19 @@ class Link:
         """The shaping used for ``rate_mbit``."""
         if not rate_mbit > 0:
             raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
-        return Link(rate_mbit=rate_mbit, burst_bytes=max(64 * 1024, round(rate_mbit * 1e6 / 8 / 1000)),
-                    latency_ms=20.0)
+        return Link(rate_mbit=rate_mbit, burst_bytes=max(64 * 1024, round(rate_mbit * 1e6 / 8 / 1000)), latency_ms=20.0)
 
     def tc_args(self) -> list[str]:
         """The ``tbf`` parameters for ``tc qdisc add dev ... root``."""
-        return ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(self.burst_bytes),
-                "latency", f"{self.latency_ms:g}ms"]
+        return [
+            "tbf",
+            "rate",
+            f"{self.rate_mbit:g}mbit",
+            "burst",
+            str(self.burst_bytes),
+            "latency",
+            f"{self.latency_ms:g}ms",
+        ]
 
 
 def node_of(rank: int, ranks_per_node: int = 2) -> int:
@@ -129,13 +136,13 @@ class _SetupFailed(RuntimeError):
 
 
 def _cmd(label: str, *argv: str) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise _SetupFailed(f"{label} failed: {(done.stderr or done.stdout).strip() or f'exit {done.returncode}'}")
 
 
 def _namespaces() -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     return [line.split()[0] for line in listed.splitlines() if line.strip()]
 
 
@@ -175,8 +182,22 @@ def _create(names: tuple[str, str], link: Link) -> None:
             (_ETC_NETNS / ns / "nsswitch.conf").write_text(_nsswitch_files_only())
         except OSError as e:
             raise _SetupFailed(f"writing {_ETC_NETNS / ns}/nsswitch.conf failed: {e}") from None
-    _cmd("ip link add (veth)", "ip", "link", "add", IFNAME, "netns", names[0], "type", "veth",
-         "peer", "name", IFNAME, "netns", names[1])
+    _cmd(
+        "ip link add (veth)",
+        "ip",
+        "link",
+        "add",
+        IFNAME,
+        "netns",
+        names[0],
+        "type",
+        "veth",
+        "peer",
+        "name",
+        IFNAME,
+        "netns",
+        names[1],
+    )
     for ns, address in zip(names, ADDRESSES):
         _cmd("ip link set lo up", "ip", "-n", ns, "link", "set", "lo", "up")
         _cmd("ip addr add", "ip", "-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME)
@@ -189,7 +210,7 @@ def _destroy(names: Iterable[str]) -> None:
     their ``/etc/netns`` directories (``/etc/netns`` itself stays: a concurrent run may be
     creating its own directory in it)."""
     for ns in names:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         shutil.rmtree(_ETC_NETNS / ns, ignore_errors=True)
 
 
@@ -277,24 +298,24 @@ def _start(rank: int, ns: str, job: Path) -> subprocess.Popen[bytes]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join([str(_REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     code = "from benchmarks.cluster import _worker; _worker()"
-    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code, str(job), str(rank)],
-                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code, str(job), str(rank)],
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl, before any thread of the child starts)
+    )
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
     """Wait up to ``grace`` s for the ranks to exit, then kill each rank's process group."""
     deadline = time.monotonic() + grace
     for p in procs:
-        try:
+        with suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
     for p in procs:
         if p.poll() is None:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait()
 
 
@@ -318,8 +339,13 @@ def _collect(procs: list[subprocess.Popen[bytes]], job: Path, timeout: float) ->
                 else:
                     failed.append((path.stat().st_mtime_ns, rank, f"rank {rank} failed:\n{payload}"))
             elif exited is not None:
-                failed.append((time.time_ns(), rank, f"rank {rank} exited with code {exited} before returning "
-                               "a result (its stderr is above)"))
+                failed.append(
+                    (
+                        time.time_ns(),
+                        rank,
+                        f"rank {rank} exited with code {exited} before returning a result (its stderr is above)",
+                    )
+                )
         if failed:
             raise RuntimeError(min(failed)[2])
         if len(results) < world:
@@ -329,8 +355,9 @@ def _collect(procs: list[subprocess.Popen[bytes]], job: Path, timeout: float) ->
     return [results[r] for r in range(world)]
 
 
-def run_on_cluster(fn: Callable[[int, int, A], R], arg: A, *, rate_mbit: float = 400.0, ranks_per_node: int = 2,
-                   timeout: float = 600.0) -> list[R]:
+def run_on_cluster(
+    fn: Callable[[int, int, A], R], arg: A, *, rate_mbit: float = 400.0, ranks_per_node: int = 2, timeout: float = 600.0
+) -> list[R]:
     """``fn(rank, world, arg)`` on each of ``2 * ranks_per_node`` ranks of a fresh emulated
     cluster (gloo, ``node_of`` placement, inter-node link shaped to ``rate_mbit``); results in
     rank order. Contract of ``fsdp_shell.cli.launch.run_world``: ``fn`` must be importable by
@@ -467,19 +494,26 @@ def main() -> None:
     link = Link.at(args.rate)
     nbytes = int(args.mbytes * _MB)
     t = run_on_cluster(_probe, nbytes, rate_mbit=args.rate, timeout=300.0)[0]
-    print(f"emulated cluster, 2 nodes x 2 ranks; inter-node tbf rate {link.rate_mbit:g} Mbit/s, "
-          f"burst {link.burst_bytes} B, latency {link.latency_ms:g} ms")
+    print(
+        f"emulated cluster, 2 nodes x 2 ranks; inter-node tbf rate {link.rate_mbit:g} Mbit/s, "
+        f"burst {link.burst_bytes} B, latency {link.latency_ms:g} ms"
+    )
     mb = f"{args.mbytes:g} MB"
-    rows = [(f"inter-node bandwidth, {mb} rank 0 -> 2", nbytes / t[("send", 2)] / _MB, "MB/s"),
-            (f"intra-node bandwidth, {mb} rank 0 -> 1", nbytes / t[("send", 1)] / _MB, "MB/s"),
-            ("inter-node bandwidth, 1 MB rank 0 -> 2", _MB / t[("send 1MB", 2)] / _MB, "MB/s"),
-            ("inter-node round trip, one float32", t[("ping", 2)] * 1e6, "us"),
-            ("intra-node round trip, one float32", t[("ping", 1)] * 1e6, "us"),
-            ("all_reduce of one float32, 4 ranks", t[("all_reduce", 4)] * 1e6, "us")]
+    rows = [
+        (f"inter-node bandwidth, {mb} rank 0 -> 2", nbytes / t[("send", 2)] / _MB, "MB/s"),
+        (f"intra-node bandwidth, {mb} rank 0 -> 1", nbytes / t[("send", 1)] / _MB, "MB/s"),
+        ("inter-node bandwidth, 1 MB rank 0 -> 2", _MB / t[("send 1MB", 2)] / _MB, "MB/s"),
+        ("inter-node round trip, one float32", t[("ping", 2)] * 1e6, "us"),
+        ("intra-node round trip, one float32", t[("ping", 1)] * 1e6, "us"),
+        ("all_reduce of one float32, 4 ranks", t[("all_reduce", 4)] * 1e6, "us"),
+    ]
     for label, value, unit in rows:
         print(f"{label:<40} {value:9.1f} {unit}")
-    print(f"(the rate counts Ethernet/IP/TCP headers: TCP payload gets ~{link.rate_mbit * 1448 / 1514 / 8:.1f} MB/s "
-          f"at MTU 1500; the first {link.burst_bytes} B after idle pass unshaped)")
+    print(
+        f"(the rate counts Ethernet/IP/TCP headers: TCP payload gets ~{link.rate_mbit * 1448 / 1514 / 8:.1f} MB/s "
+        f"at MTU 1500; the first {link.burst_bytes} B after idle pass unshaped)"
+    )
+
 
 if __name__ == "__main__":
     main()

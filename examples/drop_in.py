@@ -17,8 +17,12 @@ def train(rank: int, world: int, _: None) -> None:
     assert dist.is_initialized()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy={nn.Linear},
-                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model = FSDP(
+        model,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy={nn.Linear},
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(rank)
     for step in range(20):

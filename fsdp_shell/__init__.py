@@ -31,8 +31,15 @@ if TYPE_CHECKING:
     from fsdp_shell.fsdp import FSDP, FullyShardedDataParallel
     from fsdp_shell.state.state_dict import StateDictSettings, StateDictType
 
-__all__ = ["CPUOffload", "FSDP", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy",
-           "StateDictSettings", "StateDictType"]
+__all__ = [
+    "FSDP",
+    "CPUOffload",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "StateDictSettings",
+    "StateDictType",
+]
 
 _LAZY = {
     "FSDP": "fsdp_shell.fsdp",

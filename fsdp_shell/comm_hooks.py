@@ -10,7 +10,8 @@ PyTorch's own ``DefaultState`` works as ``state``.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,9 @@ def _check_signature(hook: Callable[..., Any], state: object, strategy: Sharding
     except TypeError:
         wanted = "hook(state, grad, output)" if strategy.is_sharded else "hook(state, grad)"
         name = getattr(hook, "__name__", repr(hook))
-        advice = (" (torch's allreduce_hook is for NO_SHARD; use reduce_scatter_hook)"
-                  if strategy.is_sharded and name == "allreduce_hook" else "")
+        advice = (
+            " (torch's allreduce_hook is for NO_SHARD; use reduce_scatter_hook)"
+            if strategy.is_sharded and name == "allreduce_hook"
+            else ""
+        )
         raise TypeError(f"hook: {strategy.name} calls {wanted}, which {name}{signature} cannot take{advice}") from None

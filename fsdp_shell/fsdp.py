@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,14 +118,25 @@ class FullyShardedDataParallel(nn.Module):
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("module: already wrapped in FullyShardedDataParallel")
         options = parse_options(
-            sharding_strategy=sharding_strategy, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            mixed_precision=mixed_precision, use_orig_params=use_orig_params,
-            backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
-            division_policy=division_policy, hybrid_all_reduce=hybrid_all_reduce,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            auto_wrap_policy=auto_wrap_policy,
+            mixed_precision=mixed_precision,
+            use_orig_params=use_orig_params,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            division_policy=division_policy,
+            hybrid_all_reduce=hybrid_all_reduce,
             ranks_may_diverge=ranks_may_diverge,
         )
-        tree, sites = make_tree(module, options, process_group=process_group, device_mesh=device_mesh,
-                                device_id=device_id, is_wrapped=lambda m: isinstance(m, FullyShardedDataParallel))
+        tree, sites = make_tree(
+            module,
+            options,
+            process_group=process_group,
+            device_mesh=device_mesh,
+            device_id=device_id,
+            is_wrapped=lambda m: isinstance(m, FullyShardedDataParallel),
+        )
         for index, site in enumerate(sites[:-1]):
             assert site.parent is not None
             setattr(site.parent, site.attr, FullyShardedDataParallel._unit(site.module, tree, index))
@@ -210,7 +222,9 @@ class FullyShardedDataParallel(nn.Module):
         flag("requires_all_reduce", requires_all_reduce)
         strategy = self._tree.options.strategy
         if not requires_all_reduce and not strategy.is_hybrid:
-            raise ValueError(f"requires_all_reduce: only hybrid strategies can defer the all-reduce, not {strategy.name}")
+            raise ValueError(
+                f"requires_all_reduce: only hybrid strategies can defer the all-reduce, not {strategy.name}"
+            )
         self._set(requires_all_reduce=requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float | None) -> None:
@@ -256,11 +270,11 @@ class FullyShardedDataParallel(nn.Module):
         """Load what ``full_state_dict()`` (or the unwrapped module's ``state_dict()``) returns;
         ``strict`` and the result as ``nn.Module.load_state_dict``."""
         self._require_root("load_full_state_dict")
-        return load_state_dict(self._tree.flat_handles, self._tree.state_entries, state_dict,
-                               strict=flag("strict", strict))
+        return load_state_dict(
+            self._tree.flat_handles, self._tree.state_entries, state_dict, strict=flag("strict", strict)
+        )
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> Any:
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """FSDP1's default: the full state dict under the unwrapped module's keys; inside
         ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``, DTensor shards for
         ``torch.distributed.checkpoint``. A collective: every rank calls it. (A nested unit,
@@ -280,8 +294,9 @@ class FullyShardedDataParallel(nn.Module):
             out[prefix + key] = value
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> _IncompatibleKeys:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
         """The inverse of ``state_dict()``: full tensors or DTensors under the unwrapped
         module's keys, copied into this rank's shards."""
         if not self._is_root:
@@ -289,17 +304,23 @@ class FullyShardedDataParallel(nn.Module):
             return own
         if assign:
             raise ValueError("load_state_dict: assign=True would replace the sharded parameters; use assign=False")
-        return load_state_dict(self._tree.flat_handles, self._tree.state_entries, state_dict,
-                               strict=flag("strict", strict))
+        return load_state_dict(
+            self._tree.flat_handles, self._tree.state_entries, state_dict, strict=flag("strict", strict)
+        )
 
     @staticmethod
     @contextlib.contextmanager
-    def state_dict_type(module: nn.Module, state_dict_type: object, state_dict_config: object = None,
-                        optim_state_dict_config: object = None) -> Iterator[None]:
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: object,
+        state_dict_config: object = None,
+        optim_state_dict_config: object = None,
+    ) -> Iterator[None]:
         """FSDP1's context manager: ``state_dict()`` / ``load_state_dict()`` of every FSDP root in
         ``module`` use ``state_dict_type`` (ours or torch's ``StateDictType``) inside."""
-        previous = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config,
-                                                                 optim_state_dict_config)
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
         try:
             yield
         finally:
@@ -307,8 +328,12 @@ class FullyShardedDataParallel(nn.Module):
                 root._set(state_dict=previous)
 
     @staticmethod
-    def set_state_dict_type(module: nn.Module, state_dict_type: object, state_dict_config: object = None,
-                            optim_state_dict_config: object = None) -> StateDictSettings:
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: object,
+        state_dict_config: object = None,
+        optim_state_dict_config: object = None,
+    ) -> StateDictSettings:
         """Set what ``state_dict()`` returns for every FSDP root in ``module``; returns the
         previous settings."""
         settings = state_dict_settings(state_dict_type, state_dict_config)
@@ -323,21 +348,28 @@ class FullyShardedDataParallel(nn.Module):
         return previous
 
     @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                         optim_state_dict: object = None, group: object = None) -> dict[str, Any]:
+    def optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: object = None, group: object = None
+    ) -> dict[str, Any]:
         """FSDP1's ``FSDP.optim_state_dict``: ``optim``'s state under the original parameter
         names, full or (inside ``state_dict_type(..., SHARDED_STATE_DICT)``) as DTensors that
         ``torch.distributed.checkpoint`` saves. A collective."""
         if optim_state_dict is not None or group is not None:
             raise ValueError("optim_state_dict, group: not supported; the optimizer's own state is read")
         tree = _root_of(model)._tree
-        return optim_state_dict_of(tree.flat_handles, optim, tree.settings.state_dict, tree.mesh,
-                                   tree.groups.shard.rank())
+        return optim_state_dict_of(
+            tree.flat_handles, optim, tree.settings.state_dict, tree.mesh, tree.groups.shard.rank()
+        )
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
-                                 optim_state_dict: Mapping[str, Any], is_named_optimizer: bool = False,
-                                 load_directly: bool = False, group: object = None) -> dict[str, Any]:
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: Mapping[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: object = None,
+    ) -> dict[str, Any]:
         """FSDP1's inverse: what ``optim.load_state_dict`` takes on this rank (with
         ``load_directly``, loaded and returned). A collective."""
         if is_named_optimizer or group is not None:

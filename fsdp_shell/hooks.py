@@ -25,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, assert_never
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
-from typing_extensions import assert_never
 
 from fsdp_core import Event, HookEvent, step_flags
 from fsdp_shell.runtime.interpreter import PlanRun
@@ -40,8 +40,15 @@ from fsdp_shell.safety.agreement import RankMismatchError, check_agreement, chec
 from fsdp_shell.safety.timeouts import translating_timeouts
 from fsdp_shell.tree import IterationState, Tree
 
-__all__ = ["abandon_backward", "end_of_backward", "forward", "install", "post_backward", "pre_backward",
-           "run_virtually"]
+__all__ = [
+    "abandon_backward",
+    "end_of_backward",
+    "forward",
+    "install",
+    "post_backward",
+    "pre_backward",
+    "run_virtually",
+]
 
 
 def install(tree: Tree) -> None:
@@ -50,7 +57,8 @@ def install(tree: Tree) -> None:
     for unit, h in enumerate(tree.handles):
         if h is not None and h.flat_param.requires_grad:
             h.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
-                functools.partial(post_backward, tree, unit))
+                functools.partial(post_backward, tree, unit)
+            )
 
 
 # -- forward ------------------------------------------------------------------------------------
@@ -94,8 +102,9 @@ def forward(tree: Tree, unit: int, module: nn.Module, args: tuple[Any, ...], kwa
     return out
 
 
-def _begin_iteration(tree: Tree, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     grad_on: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _begin_iteration(
+    tree: Tree, args: tuple[Any, ...], kwargs: dict[str, Any], grad_on: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The root's forward starts an iteration: the ranks agree (first time only), a backward that
     did not finish is dropped, gradients the user dropped are freed, the inputs are cast."""
     if not tree.first_forward_done:
@@ -158,7 +167,8 @@ def post_backward(tree: Tree, unit: int, flat_param: torch.Tensor) -> None:
         raise RankMismatchError(
             f"FSDP: unit {unit}'s gradient arrived on rank {dist.get_rank()} after the ranks had "
             "reduced it with a zero gradient here: the ranks' backward orders differ, not only which "
-            "units they use")
+            "units they use"
+        )
     with _waiting(tree, unit, "gradient reduction"):
         _sequence(tree, HookEvent(Event.POST_BACKWARD, unit), True)
         h.restore_params()
@@ -170,8 +180,11 @@ def _reduce(tree: Tree, unit: int, grad: torch.Tensor) -> None:
     h = tree.handles[unit]
     assert h is not None
     s = tree.settings
-    flags = step_flags(h.carried.roles, sync_gradients=s.sync_gradients,
-                       requires_all_reduce=s.requires_all_reduce or not s.sync_gradients)
+    flags = step_flags(
+        h.carried.roles,
+        sync_gradients=s.sync_gradients,
+        requires_all_reduce=s.requires_all_reduce or not s.sync_gradients,
+    )
     run = PlanRun(tree.plans(s.request(h.request, flags)), tree.runtime, h, grad, h.carried, s.comm_hook)
     with tree.log.during(Phase.POST_BACKWARD):
         run.run_hook_ops()

@@ -8,8 +8,8 @@ accepted as well as fsdp_core's, mapped by name (``to_*``); ``wrap_policy`` turn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -58,23 +58,37 @@ class Options:
 
 
 def parse_options(
-    *, sharding_strategy: object, cpu_offload: object, auto_wrap_policy: object, mixed_precision: object,
-    use_orig_params: object, backward_prefetch: object, forward_prefetch: object, division_policy: object,
-    hybrid_all_reduce: object, ranks_may_diverge: object = False,
+    *,
+    sharding_strategy: object,
+    cpu_offload: object,
+    auto_wrap_policy: object,
+    mixed_precision: object,
+    use_orig_params: object,
+    backward_prefetch: object,
+    forward_prefetch: object,
+    division_policy: object,
+    hybrid_all_reduce: object,
+    ranks_may_diverge: object = False,
 ) -> Options:
     """Every argument checked on its own and against the others; ``ValueError``/``TypeError``
     naming the argument."""
     strategy = to_sharding_strategy(ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy)
     placement = to_hybrid_all_reduce(hybrid_all_reduce)
     if placement is HybridAllReduce.SYNC and not strategy.is_hybrid:
-        raise ValueError(f"hybrid_all_reduce: 'sync' places the replicate all-reduce of hybrid strategies; "
-                         f"{strategy.name} has none (leave it 'async')")
+        raise ValueError(
+            f"hybrid_all_reduce: 'sync' places the replicate all-reduce of hybrid strategies; "
+            f"{strategy.name} has none (leave it 'async')"
+        )
     return Options(
-        strategy=strategy, mixed_precision=to_mixed_precision(mixed_precision), offload=to_cpu_offload(cpu_offload),
+        strategy=strategy,
+        mixed_precision=to_mixed_precision(mixed_precision),
+        offload=to_cpu_offload(cpu_offload),
         use_orig_params=flag("use_orig_params", use_orig_params),
         backward_prefetch=to_backward_prefetch(backward_prefetch),
-        forward_prefetch=flag("forward_prefetch", forward_prefetch), division_policy=to_division_policy(division_policy),
-        hybrid_all_reduce=placement, wrap=wrap_policy(auto_wrap_policy),
+        forward_prefetch=flag("forward_prefetch", forward_prefetch),
+        division_policy=to_division_policy(division_policy),
+        hybrid_all_reduce=placement,
+        wrap=wrap_policy(auto_wrap_policy),
         ranks_may_diverge=flag("ranks_may_diverge", ranks_may_diverge),
     )
 
@@ -91,8 +105,10 @@ def wrap_policy(auto_wrap_policy: object) -> WrapPolicy | None:
     if auto_wrap_policy is None:
         return None
     if isinstance(auto_wrap_policy, type) and issubclass(auto_wrap_policy, nn.Module):
-        raise TypeError(f"auto_wrap_policy: got the class {auto_wrap_policy.__name__} itself; pass a set of classes, "
-                        f"{{{auto_wrap_policy.__name__}}}, or ModuleWrapPolicy({{{auto_wrap_policy.__name__}}})")
+        raise TypeError(
+            f"auto_wrap_policy: got the class {auto_wrap_policy.__name__} itself; pass a set of classes, "
+            f"{{{auto_wrap_policy.__name__}}}, or ModuleWrapPolicy({{{auto_wrap_policy.__name__}}})"
+        )
     classes = getattr(auto_wrap_policy, "_module_classes", None)
     if classes is not None:
         auto_wrap_policy = set(classes)
@@ -132,11 +148,12 @@ def to_mixed_precision(value: object) -> MixedPrecision:
         buffer_dtype = getattr(value, "buffer_dtype", None)
         if buffer_dtype is not None:
             raise ValueError("mixed_precision.buffer_dtype: buffers are kept in their own dtype; pass None")
-        param_dtype, reduce_dtype = getattr(value, "param_dtype"), getattr(value, "reduce_dtype")
-        keep = getattr(value, "keep_low_precision_grads")
-        if (param_dtype is not None and not isinstance(param_dtype, torch.dtype)) or (
-            reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype)
-        ) or not isinstance(keep, bool):
+        param_dtype, reduce_dtype, keep = (getattr(value, f) for f in fields)
+        if (
+            (param_dtype is not None and not isinstance(param_dtype, torch.dtype))
+            or (reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype))
+            or not isinstance(keep, bool)
+        ):
             raise TypeError(f"mixed_precision: fields of {value!r} are not dtypes/bool")
         return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, keep_low_precision_grads=keep)
     raise TypeError(f"mixed_precision: expected None or a MixedPrecision (fsdp_core's or torch's), got {value!r}")

@@ -19,9 +19,9 @@ that needs no process group.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -172,8 +172,15 @@ class Tree:
         return DeviceMesh.from_group(self.groups.shard, self.device.type)
 
 
-def make_tree(module: nn.Module, options: Options, *, process_group: object, device_mesh: object,
-              device_id: object, is_wrapped: Callable[[nn.Module], bool]) -> tuple[Tree, list[UnitSite]]:
+def make_tree(
+    module: nn.Module,
+    options: Options,
+    *,
+    process_group: object,
+    device_mesh: object,
+    device_id: object,
+    is_wrapped: Callable[[nn.Module], bool],
+) -> tuple[Tree, list[UnitSite]]:
     """The tree for ``module`` and where its units are (the root last). Flattens every unit's
     parameters; submodules already wrapped (``is_wrapped``) are left alone."""
     device = checked_device_id(device_id)
@@ -188,15 +195,42 @@ def make_tree(module: nn.Module, options: Options, *, process_group: object, dev
     log = CollectiveLog()
     runtime = make_runtime(device, groups, log)
     division = Division(policy=options.division_policy, backend=groups.caps)
-    sharding = ShardingSpec(strategy=options.strategy, shard_size=groups.shard_size,
-                            replicate_size=groups.replicate_size, rank=groups.shard.rank())
+    sharding = ShardingSpec(
+        strategy=options.strategy,
+        shard_size=groups.shard_size,
+        replicate_size=groups.replicate_size,
+        rank=groups.shard.rank(),
+    )
     sites = find_units(module, options.wrap, is_wrapped)
-    handles = build_handles(sites, names, options, division=division, sharding=sharding, runtime=runtime,
-                            shard_group=groups.shard, device=device, is_wrapped=is_wrapped)
+    handles = build_handles(
+        sites,
+        names,
+        options,
+        division=division,
+        sharding=sharding,
+        runtime=runtime,
+        shard_group=groups.shard,
+        device=device,
+        is_wrapped=is_wrapped,
+    )
     strategy = options.strategy
-    unshard = UnshardRunner(handles, len(handles) - 1, reshard_after_forward=strategy.reshards_after_forward,
-                            reshard_after_backward=strategy.is_sharded, backward_prefetch=options.backward_prefetch,
-                            forward_prefetch=options.forward_prefetch)
-    tree = Tree(options=options, groups=groups, device=device, runtime=runtime, log=log, handles=handles,
-                unshard=unshard, state_entries=entries, settings=Settings(division=division))
+    unshard = UnshardRunner(
+        handles,
+        len(handles) - 1,
+        reshard_after_forward=strategy.reshards_after_forward,
+        reshard_after_backward=strategy.is_sharded,
+        backward_prefetch=options.backward_prefetch,
+        forward_prefetch=options.forward_prefetch,
+    )
+    tree = Tree(
+        options=options,
+        groups=groups,
+        device=device,
+        runtime=runtime,
+        log=log,
+        handles=handles,
+        unshard=unshard,
+        state_entries=entries,
+        settings=Settings(division=division),
+    )
     return tree, sites

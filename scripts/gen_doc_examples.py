@@ -34,15 +34,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from fsdp_core import (
-    FreeUnshardedParam,
     AllReduce,
     AwaitGather,
     BackendCaps,
@@ -54,8 +54,10 @@ from fsdp_core import (
     Divide,
     Division,
     DivisionPolicy,
+    Event,
     FlatParamLayout,
     Free,
+    FreeUnshardedParam,
     Gather,
     GradViews,
     Group,
@@ -67,14 +69,13 @@ from fsdp_core import (
     Plan,
     RecordStream,
     ReduceOpSpec,
-    Reshard,
     ReduceScatter,
+    Reshard,
     ShardingSpec,
     ShardingStrategy,
     StepFlags,
     Stream,
     UnshardAction,
-    Event,
     UnshardRequest,
     UnshardSchedule,
     WaitStream,
@@ -101,8 +102,18 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-__all__ = ["DOCS", "EXAMPLES", "SCHEDULES", "SIM_BLOCKS", "Example", "ScheduleExample", "main", "regenerate",
-           "render", "stale_blocks"]
+__all__ = [
+    "DOCS",
+    "EXAMPLES",
+    "SCHEDULES",
+    "SIM_BLOCKS",
+    "Example",
+    "ScheduleExample",
+    "main",
+    "regenerate",
+    "render",
+    "stale_blocks",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -242,20 +253,30 @@ def _break_views() -> Plan:
     spec = ShardingSpec.for_world(S.FULL_SHARD, 2)
     base = plan_post_backward(TINY_ORIG, spec, use_orig_params=True)
     rank1 = spec.shard_views(TINY_ORIG, rank=1)
-    return _with_ops(
-        base, [replace(op, views=rank1) if isinstance(op, GradViews) else op for op in base.ops]
+    return _with_ops(base, [replace(op, views=rank1) if isinstance(op, GradViews) else op for op in base.ops])
+
+
+def _chain(
+    units: int = 4,
+    prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    *,
+    reshard_after_forward: bool = True,
+    forward_prefetch: bool = False,
+) -> UnshardSchedule:
+    return plan_unshard(
+        UnshardRequest.chain(
+            units,
+            reshard_after_forward=reshard_after_forward,
+            reshard_after_backward=True,
+            backward_prefetch=prefetch,
+            forward_prefetch=forward_prefetch,
+        )
     )
 
 
-def _chain(units: int = 4, prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE, *,
-           reshard_after_forward: bool = True, forward_prefetch: bool = False) -> UnshardSchedule:
-    return plan_unshard(UnshardRequest.chain(units, reshard_after_forward=reshard_after_forward,
-                                             reshard_after_backward=True, backward_prefetch=prefetch,
-                                             forward_prefetch=forward_prefetch))
-
-
-def _with_actions(schedule: UnshardSchedule,
-                  changes: Mapping[tuple[Event, int], tuple[UnshardAction, ...]]) -> UnshardSchedule:
+def _with_actions(
+    schedule: UnshardSchedule, changes: Mapping[tuple[Event, int], tuple[UnshardAction, ...]]
+) -> UnshardSchedule:
     """``schedule`` with the actions of the given (event, unit) steps replaced."""
     steps = tuple(replace(s, actions=changes.get((s.event, s.unit), s.actions)) for s in schedule.steps)
     return UnshardSchedule(request=schedule.request, steps=steps)
@@ -374,20 +395,21 @@ SCHEDULES: Mapping[str, ScheduleExample] = {
     "chain_none_forward_prefetch": ScheduleExample(build=lambda: _chain(prefetch=None, forward_prefetch=True)),
     "chain_zero2": ScheduleExample(build=lambda: _chain(reshard_after_forward=False)),
     # docs/verifier.md: one broken variant of chain_pre per check_unshard rule
-    "break_ungathered_use": ScheduleExample(
-        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 3): (_g(2),)})),
+    "break_ungathered_use": ScheduleExample(build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 3): (_g(2),)})),
     "break_double_gather": ScheduleExample(
-        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 3): (_g(3), _a(3), _g(2))})),
-    "break_unsafe_reshard": ScheduleExample(
-        build=lambda: _with_actions(_chain(), {(_E.POST_BACKWARD, 3): (_r(3),)})),
+        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 3): (_g(3), _a(3), _g(2))})
+    ),
+    "break_unsafe_reshard": ScheduleExample(build=lambda: _with_actions(_chain(), {(_E.POST_BACKWARD, 3): (_r(3),)})),
     "break_prefetch_depth": ScheduleExample(
-        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 0): (_g(3), _g(2)), (_E.PRE_BACKWARD, 3): (_a(3),)})),
+        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 0): (_g(3), _g(2)), (_E.PRE_BACKWARD, 3): (_a(3),)})
+    ),
     "break_unawaited_gather": ScheduleExample(
-        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 1): (_a(1), _g(2))})),
+        build=lambda: _with_actions(_chain(), {(_E.PRE_BACKWARD, 1): (_a(1), _g(2))})
+    ),
     "break_unused_gather": ScheduleExample(
-        build=lambda: _with_actions(_chain(), {(_E.POST_BACKWARD, 1): (_g(3), _a(3))})),
-    "break_forward_reshard": ScheduleExample(
-        build=lambda: _with_actions(_chain(), {(_E.POST_FORWARD, 2): ()})),
+        build=lambda: _with_actions(_chain(), {(_E.POST_BACKWARD, 1): (_g(3), _a(3))})
+    ),
+    "break_forward_reshard": ScheduleExample(build=lambda: _with_actions(_chain(), {(_E.POST_FORWARD, 2): ()})),
 }
 """Every named all-gather schedule a document may show."""
 
@@ -402,7 +424,8 @@ SIM_BLOCKS: Mapping[str, Callable[[], str]] = {
     "seed_table": lambda: format_seed_table(seed_calibration()),
     # docs/async-hsdp.md: `fsdp-sim --no-timeline --concurrent-collectives --contention 1.25`
     "concurrent_contention_1_25": lambda: format_seed_table(
-        seed_calibration(replace(SEED_PARAMETERS, contention=1.25), one_collective_per_group=False)),
+        seed_calibration(replace(SEED_PARAMETERS, contention=1.25), one_collective_per_group=False)
+    ),
     # docs/async-hsdp.md: the timelines `fsdp-sim` prints, one per row
     **{f"timeline_{row.key}": partial(_seed_timeline, row.key) for row in SEED_ROWS},
 }

@@ -16,8 +16,12 @@ def whoami(rank: int, world: int, arg: None) -> tuple[int, int, str, str, float]
     """This rank's namespace, the IPv4 address of its veth end, and a world all-reduce of
     the ranks."""
     namespace = subprocess.run(["ip", "netns", "identify"], capture_output=True, text=True, check=True).stdout
-    shown = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", os.environ["GLOO_SOCKET_IFNAME"]],
-                           capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "dev", os.environ["GLOO_SOCKET_IFNAME"]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     address = shown.split("inet ")[1].split("/")[0]
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)

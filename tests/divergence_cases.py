@@ -35,8 +35,9 @@ class Branchy(nn.Module):
         self.blocks = nn.ModuleList(Block(6) for _ in range(4))
         self.head = nn.Linear(6, 1)
 
-    def forward(self, x: torch.Tensor, skip: frozenset[int] = frozenset(),
-                unused: frozenset[int] = frozenset()) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, skip: frozenset[int] = frozenset(), unused: frozenset[int] = frozenset()
+    ) -> torch.Tensor:
         h = self.inp(x)
         for i, block in enumerate(self.blocks):
             if i in skip:
@@ -74,10 +75,19 @@ def run_divergence(rank: int, world: int, case: Divergence) -> tuple[float, int]
     torch.manual_seed(0)
     model = Branchy()
     ref = copy.deepcopy(model)
-    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-            if case.strategy.is_hybrid else None)
-    wrapped = FSDP(model, auto_wrap_policy={Block}, sharding_strategy=case.strategy,
-                   use_orig_params=case.use_orig_params, device_mesh=mesh, ranks_may_diverge=True)
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        if case.strategy.is_hybrid
+        else None
+    )
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy={Block},
+        sharding_strategy=case.strategy,
+        use_orig_params=case.use_orig_params,
+        device_mesh=mesh,
+        ranks_may_diverge=True,
+    )
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):

@@ -35,14 +35,23 @@ def mismatches(rank: int, world: int, _: None) -> dict[str, object]:
     """Each kind of disagreement, built differently on rank 0; the messages, and what the
     check cost in a world that agrees."""
     out: dict[str, object] = {}
-    out["mixed_precision"] = _first_forward_error(lambda: FSDP(
-        _model(), auto_wrap_policy={Block},
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if rank == 0 else None))
-    out["wrap_policy"] = _first_forward_error(lambda: FSDP(
-        _model(), auto_wrap_policy={Block} if rank == 0 else {Block, nn.Linear}))
-    out["strategy"] = _first_forward_error(lambda: FSDP(
-        _model(), auto_wrap_policy={Block},
-        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP if rank == 1 else ShardingStrategy.FULL_SHARD))
+    out["mixed_precision"] = _first_forward_error(
+        lambda: FSDP(
+            _model(),
+            auto_wrap_policy={Block},
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if rank == 0 else None,
+        )
+    )
+    out["wrap_policy"] = _first_forward_error(
+        lambda: FSDP(_model(), auto_wrap_policy={Block} if rank == 0 else {Block, nn.Linear})
+    )
+    out["strategy"] = _first_forward_error(
+        lambda: FSDP(
+            _model(),
+            auto_wrap_policy={Block},
+            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP if rank == 1 else ShardingStrategy.FULL_SHARD,
+        )
+    )
 
     def hooked() -> FSDP:
         model = FSDP(_model(), auto_wrap_policy={Block})
@@ -62,11 +71,15 @@ def mixed_layouts(rank: int, world: int, _: None) -> str:
     """Four ranks whose hybrid pairs are each fine alone but come from two different layouts."""
     rows = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     columns = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
-    mesh_groups = ((rows.get_group(1), rows.get_group(0)) if rank < 2
-                   else (columns.get_group(0), columns.get_group(1)))
-    return _first_forward_error(lambda: FSDP(_model(), auto_wrap_policy={Block},
-                                             sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                                             process_group=mesh_groups))
+    mesh_groups = (rows.get_group(1), rows.get_group(0)) if rank < 2 else (columns.get_group(0), columns.get_group(1))
+    return _first_forward_error(
+        lambda: FSDP(
+            _model(),
+            auto_wrap_policy={Block},
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            process_group=mesh_groups,
+        )
+    )
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

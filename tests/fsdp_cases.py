@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,8 @@ def _data(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor
 def _mp(case: Case) -> tuple[MixedPrecision | None, TorchMixedPrecision | None]:
     if case.mp == "bf16":
         return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), TorchMixedPrecision(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     if case.mp == "bf16-reduce":
         return MixedPrecision(reduce_dtype=torch.bfloat16), TorchMixedPrecision(reduce_dtype=torch.bfloat16)
     return None, None
@@ -139,9 +140,15 @@ def _torch_full(model: TorchFSDP) -> dict[str, torch.Tensor]:
 
 
 def _step_model(
-    model: nn.Module, opt: torch.optim.Optimizer, case: Case, step: int, world: int, rank: int,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    case: Case,
+    step: int,
+    world: int,
+    rank: int,
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
-    before_last: Callable[[], None] = lambda: None, loss_scale: float = 1.0,
+    before_last: Callable[[], None] = lambda: None,
+    loss_scale: float = 1.0,
 ) -> None:
     micro = case.no_sync + case.accumulate
     for m in range(micro):
@@ -166,10 +173,18 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     ours_module.load_state_dict(init)
     mp, torch_mp = _mp(case)
     pg, mesh = _groups(case, world)
-    model = FSDP(ours_module, process_group=pg, device_mesh=mesh, sharding_strategy=case.strategy,
-                 auto_wrap_policy={Block}, mixed_precision=mp, cpu_offload=CPUOffload(offload_params=case.offload),
-                 use_orig_params=case.use_orig_params, division_policy=case.division,
-                 hybrid_all_reduce=case.hybrid_all_reduce)
+    model = FSDP(
+        ours_module,
+        process_group=pg,
+        device_mesh=mesh,
+        sharding_strategy=case.strategy,
+        auto_wrap_policy={Block},
+        mixed_precision=mp,
+        cpu_offload=CPUOffload(offload_params=case.offload),
+        use_orig_params=case.use_orig_params,
+        division_policy=case.division,
+        hybrid_all_reduce=case.hybrid_all_reduce,
+    )
     ref_scale = 1.0
     if case.divide_factor is not None:
         model.set_gradient_divide_factor(case.divide_factor)
@@ -192,10 +207,16 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     if case.fsdp1:
         torch_module = Net()
         torch_module.load_state_dict(init)
-        theirs = TorchFSDP(torch_module, sharding_strategy=_torch_strategy(case.strategy),
-                           auto_wrap_policy=functools.partial(_torch_policy), mixed_precision=torch_mp,
-                           use_orig_params=case.use_orig_params, device_id=torch.device("cpu"),
-                           process_group=pg, device_mesh=mesh)
+        theirs = TorchFSDP(
+            torch_module,
+            sharding_strategy=_torch_strategy(case.strategy),
+            auto_wrap_policy=functools.partial(_torch_policy),
+            mixed_precision=torch_mp,
+            use_orig_params=case.use_orig_params,
+            device_id=torch.device("cpu"),
+            process_group=pg,
+            device_mesh=mesh,
+        )
     outcome.param_shapes = sorted(tuple(p.shape) for p in model.parameters())
     outcome.ref_shapes = sorted(tuple(p.shape) for p in ref.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -233,7 +254,9 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
         if theirs is not None:
             d = _max_diff(full, _torch_full(theirs))
             outcome.fsdp1_diff = d if outcome.fsdp1_diff is None else max(outcome.fsdp1_diff, d)
-    outcome.reduce_dtypes = sorted({str(r.dtype) for r in collectives if r.group is Group.SHARD and r.op != "all_gather"})
+    outcome.reduce_dtypes = sorted(
+        {str(r.dtype) for r in collectives if r.group is Group.SHARD and r.op != "all_gather"}
+    )
     if case.hook is not None:
         outcome.hook_calls = calls[0]
     outcome.state_dict_diff = _round_trip(model, rank)
@@ -259,8 +282,9 @@ def _torch_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bo
 
 
 @contextlib.contextmanager
-def _counting(cm: contextlib.AbstractContextManager[None], log: list[CollectiveRecord],
-              outcome: Outcome) -> Iterator[None]:
+def _counting(
+    cm: contextlib.AbstractContextManager[None], log: list[CollectiveRecord], outcome: Outcome
+) -> Iterator[None]:
     before = len(log)
     with cm:
         yield

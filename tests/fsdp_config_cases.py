@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ def _error(build: Callable[[], object]) -> str:
 
 def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
     """Each bad configuration's error, as 'Type: message'."""
+
     def lin() -> nn.Module:
         return nn.Linear(4, 4)
 
@@ -87,12 +88,21 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         return lambda: FSDP(lin()).clip_grad_norm_(max_norm, norm_type)  # type: ignore[arg-type]  # bad input on purpose
 
     return {
-        "hybrid-pair-same-group": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                                                      process_group=(world_group, world_group))),
-        "hybrid-pair-not-tiling": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                                                      process_group=(solo[rank], solo_again[rank]))),
-        "hook-signature": _error(lambda: FSDP(lin()).register_comm_hook(
-            torch_default_hooks.DefaultState(world_group), torch_default_hooks.allreduce_hook)),
+        "hybrid-pair-same-group": _error(
+            lambda: FSDP(
+                lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(world_group, world_group)
+            )
+        ),
+        "hybrid-pair-not-tiling": _error(
+            lambda: FSDP(
+                lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(solo[rank], solo_again[rank])
+            )
+        ),
+        "hook-signature": _error(
+            lambda: FSDP(lin()).register_comm_hook(
+                torch_default_hooks.DefaultState(world_group), torch_default_hooks.allreduce_hook
+            )
+        ),
         "hook-twice": _error(hook_twice),
         "hook-after-forward": _error(hook_after_forward),
         "clip-negative": _error(clip(-1.0)),
@@ -115,11 +125,19 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         "shared-across-units": _error(lambda: FSDP(Tied(), auto_wrap_policy={nn.Linear})),
         "frozen-beside-trainable-flat": _error(lambda: FSDP(_half_frozen())),
         "state-dict-type": _error(lambda: FSDP.set_state_dict_type(FSDP(lin()), "LOCAL_STATE_DICT")),
-        "state-dict-type-local": _error(lambda: FSDP.set_state_dict_type(FSDP(lin()), TorchStateDictType.LOCAL_STATE_DICT)),
-        "state-dict-config": _error(lambda: FSDP.set_state_dict_type(
-            FSDP(lin()), TorchStateDictType.SHARDED_STATE_DICT, TorchFullStateDictConfig(rank0_only=True))),
-        "load-int-into-float": _error(lambda: FSDP(lin()).load_state_dict(
-            {"weight": torch.zeros(4, 4, dtype=torch.int64), "bias": torch.zeros(4)})),
+        "state-dict-type-local": _error(
+            lambda: FSDP.set_state_dict_type(FSDP(lin()), TorchStateDictType.LOCAL_STATE_DICT)
+        ),
+        "state-dict-config": _error(
+            lambda: FSDP.set_state_dict_type(
+                FSDP(lin()), TorchStateDictType.SHARDED_STATE_DICT, TorchFullStateDictConfig(rank0_only=True)
+            )
+        ),
+        "load-int-into-float": _error(
+            lambda: FSDP(lin()).load_state_dict(
+                {"weight": torch.zeros(4, 4, dtype=torch.int64), "bias": torch.zeros(4)}
+            )
+        ),
         "load-list": _error(lambda: FSDP(lin()).load_state_dict({"weight": [[0.0] * 4] * 4, "bias": torch.zeros(4)})),
         "load-missing-strict": _error(lambda: FSDP(lin()).load_state_dict({"weight": torch.zeros(4, 4)})),
         "mixed-dtypes": _error(lambda: FSDP(_mixed_dtypes())),
@@ -148,5 +166,9 @@ def torch_config_objects(rank: int, world: int, _: None) -> dict[str, str]:
     out.float().sum().backward()
     wrapped = sum(isinstance(m, FSDP) for m in model.modules())
     default = FSDP(nn.Linear(4, 4), sharding_strategy=None).sharding_strategy  # FSDP1's way of saying the default
-    return {"strategy": model.sharding_strategy.name, "out_dtype": str(out.dtype), "units": str(wrapped),
-            "none_strategy": default.name}
+    return {
+        "strategy": model.sharding_strategy.name,
+        "out_dtype": str(out.dtype),
+        "units": str(wrapped),
+        "none_strategy": default.name,
+    }

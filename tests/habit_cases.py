@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -104,16 +104,14 @@ def _all(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _loss(out: object) -> torch.Tensor:
     if isinstance(out, Output):
         return out.loss
-    if isinstance(out, dict):
-        loss = out["loss"]
-    else:
-        loss = out
+    loss = out["loss"] if isinstance(out, dict) else out
     assert isinstance(loss, torch.Tensor)
     return loss
 
 
-def _forwards(model: nn.Module, habit: Habit, data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-              step: int) -> torch.Tensor:
+def _forwards(
+    model: nn.Module, habit: Habit, data: Callable[[int], tuple[torch.Tensor, torch.Tensor]], step: int
+) -> torch.Tensor:
     x, y = data(step)
     loss = _loss(model(x=x, y=y))
     if habit.two_forwards:
@@ -138,8 +136,9 @@ def run_habit(rank: int, world: int, habit: Habit) -> float:
         model.inp.bias.requires_grad_(False)
     ref = copy.deepcopy(model)
     kind = CheckpointWrapper if habit.checkpoint_wrapper else Block
-    wrapped = FSDP(model, auto_wrap_policy={kind}, sharding_strategy=habit.strategy,
-                   use_orig_params=habit.use_orig_params)
+    wrapped = FSDP(
+        model, auto_wrap_policy={kind}, sharding_strategy=habit.strategy, use_orig_params=habit.use_orig_params
+    )
     if habit.freeze == "after":
         inner = wrapped.module
         assert isinstance(inner, Model)
@@ -173,8 +172,11 @@ def scaler_steps(rank: int, world: int, _: None) -> dict[str, float]:
     """fp16 with torch's ``ShardedGradScaler``: an inf in rank 1's gradient skips the step on
     every rank and halves the scale; a finite step changes the parameters."""
     torch.manual_seed(0)
-    model = FSDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), auto_wrap_policy={nn.Linear},
-                 mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16))
+    model = FSDP(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+        auto_wrap_policy={nn.Linear},
+        mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = ShardedGradScaler(device="cpu", init_scale=1024.0)
     out: dict[str, float] = {}
@@ -193,21 +195,24 @@ def scaler_steps(rank: int, world: int, _: None) -> dict[str, float]:
     return out
 
 
-HABITS: tuple[Habit, ...] = tuple(
-    dataclasses.replace(h, name=f"{h.name}-orig{o}", use_orig_params=o)
-    for h in (
-        Habit("plain"),
-        Habit("tied", tied=True),
-        Habit("tied-grad-op", tied=True, strategy=ShardingStrategy.SHARD_GRAD_OP),
-        Habit("frozen-unit", freeze="unit"),
-        Habit("frozen-after-wrapping", freeze="after"),
-        Habit("checkpoint", checkpointed=True),
-        Habit("checkpoint-wrapper", checkpoint_wrapper=True),
-        Habit("two-forwards", two_forwards=True),
-        Habit("eval-and-no-grad-between", eval_between=True),
-        Habit("dataclass-output", output="dataclass"),
-        Habit("dict-output", output="dict"),
-        Habit("no-shard-checkpoint", strategy=ShardingStrategy.NO_SHARD, checkpointed=True),
-    )
-    for o in (False, True)
-) + (Habit("frozen-beside-trainable-orig", freeze="some", use_orig_params=True),)
+HABITS: tuple[Habit, ...] = (
+    *tuple(
+        dataclasses.replace(h, name=f"{h.name}-orig{o}", use_orig_params=o)
+        for h in (
+            Habit("plain"),
+            Habit("tied", tied=True),
+            Habit("tied-grad-op", tied=True, strategy=ShardingStrategy.SHARD_GRAD_OP),
+            Habit("frozen-unit", freeze="unit"),
+            Habit("frozen-after-wrapping", freeze="after"),
+            Habit("checkpoint", checkpointed=True),
+            Habit("checkpoint-wrapper", checkpoint_wrapper=True),
+            Habit("two-forwards", two_forwards=True),
+            Habit("eval-and-no-grad-between", eval_between=True),
+            Habit("dataclass-output", output="dataclass"),
+            Habit("dict-output", output="dict"),
+            Habit("no-shard-checkpoint", strategy=ShardingStrategy.NO_SHARD, checkpointed=True),
+        )
+        for o in (False, True)
+    ),
+    Habit("frozen-beside-trainable-orig", freeze="some", use_orig_params=True),
+)

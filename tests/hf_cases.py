@@ -34,12 +34,31 @@ def make_model(kind: str) -> tuple[nn.Module, type[nn.Module]]:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
     if kind == "gpt2":
-        gpt2 = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        gpt2 = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return GPT2LMHeadModel(gpt2), GPT2Block
-    llama = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    llama = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(llama), LlamaDecoderLayer
 
 
@@ -82,8 +101,13 @@ def _mesh(strategy: ShardingStrategy, world: int) -> DeviceMesh | None:
 def run_model_case(rank: int, world: int, case: ModelCase) -> ModelOutcome:
     model, block = make_model(case.kind)
     ref = copy.deepcopy(model)
-    wrapped = FSDP(model, auto_wrap_policy={block}, sharding_strategy=case.strategy,
-                   use_orig_params=case.use_orig_params, device_mesh=_mesh(case.strategy, world))
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy={block},
+        sharding_strategy=case.strategy,
+        use_orig_params=case.use_orig_params,
+        device_mesh=_mesh(case.strategy, world),
+    )
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
@@ -105,23 +129,34 @@ def run_model_case(rank: int, world: int, case: ModelCase) -> ModelOutcome:
     back = wrapped.state_dict()
     loaded = max(float((back[k] - v).abs().max()) for k, v in ref.state_dict().items())
     tied = case.kind != "gpt2" or _gpt2_tied(wrapped)
-    return ModelOutcome(max_diff=max_diff, keys_match=list(got) == list(want), loaded_diff=loaded,
-                        missing=list(result.missing_keys), unexpected=list(result.unexpected_keys), tied=tied,
-                        optim_diff=optim_diff, optim_reloaded_diff=reloaded)
+    return ModelOutcome(
+        max_diff=max_diff,
+        keys_match=list(got) == list(want),
+        loaded_diff=loaded,
+        missing=list(result.missing_keys),
+        unexpected=list(result.unexpected_keys),
+        tied=tied,
+        optim_diff=optim_diff,
+        optim_reloaded_diff=reloaded,
+    )
 
 
-def _optimizer_diffs(wrapped: FSDP, opt: torch.optim.Optimizer, ref: nn.Module,
-                     ref_opt: torch.optim.Optimizer) -> tuple[float, float]:
+def _optimizer_diffs(
+    wrapped: FSDP, opt: torch.optim.Optimizer, ref: nn.Module, ref_opt: torch.optim.Optimizer
+) -> tuple[float, float]:
     full = FSDP.optim_state_dict(wrapped, opt)
     names = dict(ref.named_parameters())
     assert set(full["state"]) == set(names), sorted(set(full["state"]) ^ set(names))
-    diff = max(float((full["state"][n]["momentum_buffer"] - ref_opt.state[p]["momentum_buffer"]).abs().max())
-               for n, p in names.items())
+    diff = max(
+        float((full["state"][n]["momentum_buffer"] - ref_opt.state[p]["momentum_buffer"]).abs().max())
+        for n, p in names.items()
+    )
     assert [len(g["params"]) for g in full["param_groups"]] == [len(names)]
     opt.load_state_dict(FSDP.optim_state_dict_to_load(wrapped, opt, full))
     again = FSDP.optim_state_dict(wrapped, opt)
-    reloaded = max(float((again["state"][n]["momentum_buffer"] - full["state"][n]["momentum_buffer"]).abs().max())
-                   for n in names)
+    reloaded = max(
+        float((again["state"][n]["momentum_buffer"] - full["state"][n]["momentum_buffer"]).abs().max()) for n in names
+    )
     return diff, reloaded
 
 
@@ -146,8 +181,9 @@ def dcp_save(rank: int, world: int, case: SaveCase) -> dict[str, np.ndarray]:
     """Train two Adam steps, save the sharded model and optimizer state dicts with DCP; the
     full values saved (optimizer entries as ``optim/<name>/<key>``)."""
     model, block = make_model(case.kind)
-    wrapped = FSDP(model, auto_wrap_policy={block}, sharding_strategy=case.strategy,
-                   device_mesh=_mesh(case.strategy, world))
+    wrapped = FSDP(
+        model, auto_wrap_policy={block}, sharding_strategy=case.strategy, device_mesh=_mesh(case.strategy, world)
+    )
     opt = torch.optim.Adam(wrapped.parameters(), lr=0.01)
     for step in range(2):
         ids = _ids(step, rank)

@@ -10,8 +10,9 @@ import gc
 import random
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from fsdp_core import Group, ShardingStrategy
 from fsdp_shell import FSDP
-from fsdp_shell.units.flat_param import FlatParamHandle
+from fsdp_shell.runtime.collectives import all_gather_flat
 from fsdp_shell.runtime.log import CollectiveRecord, Phase
+from fsdp_shell.runtime.protocol import Pending
+from fsdp_shell.units.flat_param import FlatParamHandle
 
 
 class Layer(nn.Module):
@@ -106,8 +109,12 @@ def op_counts(rank: int, world: int, arg: None) -> dict[str, OpCounts]:
     for orig in (False, True):
         ours = FSDP(make_model(width, depth), auto_wrap_policy={Layer}, use_orig_params=orig)
         out[f"ours-orig{orig}"] = _profile_step(ours, full_numel)
-        theirs = TorchFSDP(make_model(width, depth), auto_wrap_policy=_torch_policy, use_orig_params=orig,
-                           device_id=torch.device("cpu"))
+        theirs = TorchFSDP(
+            make_model(width, depth),
+            auto_wrap_policy=_torch_policy,
+            use_orig_params=orig,
+            device_id=torch.device("cpu"),
+        )
         out[f"fsdp1-orig{orig}"] = _profile_step(theirs, full_numel)
     return out
 
@@ -168,8 +175,9 @@ def _lifetimes(strategy: ShardingStrategy, orig: bool) -> Lifetimes:
     gc.collect()
     if orig:
         shards = {h.local.untyped_storage().data_ptr() for h in model._flat_handles()}
-        seen.originals_not_shard_views = sum(p.untyped_storage().data_ptr() not in shards for p in model.parameters()
-                                             if p.numel())
+        seen.originals_not_shard_views = sum(
+            p.untyped_storage().data_ptr() not in shards for p in model.parameters() if p.numel()
+        )
     else:
         seen.originals_alive = sum(r() is not None for r in originals)
     runtime = model._tree.runtime
@@ -232,8 +240,12 @@ def prefetch_cases(rank: int, world: int, arg: None) -> dict[str, Prefetched]:
 
 def _prefetched(backward_prefetch: str | None, forward_prefetch: bool, rank: int, world: int) -> Prefetched:
     seen = Prefetched()
-    model = FSDP(make_model(32, 5), auto_wrap_policy={Layer}, backward_prefetch=backward_prefetch,
-                 forward_prefetch=forward_prefetch)
+    model = FSDP(
+        make_model(32, 5),
+        auto_wrap_policy={Layer},
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+    )
     handles = model._flat_handles()
     root = handles[-1]
     phase = ["forward"]
@@ -268,8 +280,11 @@ def _prefetched(backward_prefetch: str | None, forward_prefetch: bool, rank: int
     before = len(log.records)
     phase[0] = "forward"
     _train_against_reference(model, ref, rank, world, steps=1)
-    seen.backward_ops = [(r.op, r.phase) for r in log.records[before:]
-                         if r.group is Group.SHARD and r.phase is not Phase.FORWARD and r.phase is not Phase.OTHER]
+    seen.backward_ops = [
+        (r.op, r.phase)
+        for r in log.records[before:]
+        if r.group is Group.SHARD and r.phase is not Phase.FORWARD and r.phase is not Phase.OTHER
+    ]
     return seen
 
 
@@ -331,12 +346,21 @@ def collective_order(rank: int, world: int, arg: None) -> Ordered:
     slow_links(rank)
     out = Ordered()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    configs = [(s, orig, "async") for s in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.FULL_SHARD)
-               for orig in (False, True)] + [(ShardingStrategy.HYBRID_SHARD, orig, "sync") for orig in (False, True)]
+    configs = [
+        (s, orig, "async")
+        for s in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.FULL_SHARD)
+        for orig in (False, True)
+    ] + [(ShardingStrategy.HYBRID_SHARD, orig, "sync") for orig in (False, True)]
     for strategy, orig, placement in configs:
         name = f"{strategy.name}-orig{orig}" + ("-sync" if placement == "sync" else "")
-        model = FSDP(make_model(32, 5), sharding_strategy=strategy, auto_wrap_policy={Layer}, use_orig_params=orig,
-                     device_mesh=mesh if strategy.is_hybrid else None, hybrid_all_reduce=placement)
+        model = FSDP(
+            make_model(32, 5),
+            sharding_strategy=strategy,
+            auto_wrap_policy={Layer},
+            use_orig_params=orig,
+            device_mesh=mesh if strategy.is_hybrid else None,
+            hybrid_all_reduce=placement,
+        )
         ref = make_model(32, 5)
         out.ref_diff[name] = _train_against_reference(model, ref, rank, world)
         out.logs[name] = model.collective_log()
@@ -353,7 +377,7 @@ def _train_against_reference(model: FSDP, ref: nn.Module, rank: int, world: int,
         _train_step(model, opt, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
         _train_step(ref, ropt, x, y)
         full = model.full_state_dict()
-        worst = max(worst, max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items()))
+        worst = max(worst, *(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items()))
     return worst
 
 
@@ -364,8 +388,9 @@ class _Mark(torch.autograd.Function):
     """Identity whose backward records when gradient flows through it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, label: tuple[int, str], marks: list[tuple[tuple[int, str], float]]
-                ) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, label: tuple[int, str], marks: list[tuple[tuple[int, str], float]]
+    ) -> torch.Tensor:
         ctx.label, ctx.marks = label, marks
         return x.view_as(x)
 
@@ -408,8 +433,9 @@ def hybrid_overlap(rank: int, world: int, arg: None) -> Overlap:
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, width), *(TimedLayer(width, marks) for _ in range(depth)), nn.Linear(width, 1))
-    model = FSDP(module, sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy={TimedLayer},
-                 device_mesh=mesh)
+    model = FSDP(
+        module, sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy={TimedLayer}, device_mesh=mesh
+    )
     replicate = mesh.get_group(0)
     seen = Overlap()
     issue = dist.all_reduce
@@ -453,3 +479,55 @@ class _TimedWork:
         done = bool(self._work.wait())
         self._log.append((self._issued, time.perf_counter()))
         return done
+
+
+# -- a gather's Pending needs no operands ----------------------------------------------------
+
+
+@dataclass
+class OperandFree:
+    """All-gathers completed through ``Pending`` records that hold no tensors."""
+
+    gathered: list[float] = field(default_factory=list)
+    """A bare all-gather's result, waited through ``Pending(work)`` after ``src`` was dropped."""
+    ref_diff: float = 0.0
+    """Training with every unit's all-gather handed back without operands, against the reference."""
+    diff_from_held: float = 0.0
+    """The same training with the operands held, against the one without: the same numbers."""
+    stripped: int = 0
+    """How many all-gathers were handed back without operands."""
+
+
+def operand_free_gathers(rank: int, world: int, arg: None) -> OperandFree:
+    """The CUDA runtime's sharded all-gather once passed its waiter no operands, and the waiter
+    asserted some: the first sharded gather on a GPU failed. ``Pending`` waits the same with or
+    without them, on its own and inside a unit's gather."""
+    seen = OperandFree()
+    src = torch.full((3,), float(rank + 1))
+    dst = torch.empty(3 * world)
+    world_group = dist.group.WORLD
+    assert isinstance(world_group, dist.ProcessGroup)
+    work = all_gather_flat(dst, src, world_group, async_op=True)
+    assert work is not None
+    pending = Pending(work)
+    del src
+    pending.wait()
+    seen.gathered = dst.tolist()
+    stripped = FSDP(make_model(32, 4), auto_wrap_policy={Layer})
+    runtime = stripped._tree.runtime
+    gather = runtime.all_gather
+
+    def without_operands(out: torch.Tensor, src: torch.Tensor) -> Pending | None:
+        issued = gather(out, src)
+        if issued is None:
+            return None
+        seen.stripped += 1
+        return Pending(issued.work)
+
+    runtime.all_gather = without_operands  # type: ignore[method-assign]  # test-only instrumentation
+    seen.ref_diff = _train_against_reference(stripped, make_model(32, 4), rank, world)
+    held = FSDP(make_model(32, 4), auto_wrap_policy={Layer})
+    _train_against_reference(held, make_model(32, 4), rank, world)
+    mine, theirs = stripped.full_state_dict(), held.full_state_dict()
+    seen.diff_from_held = max(float((mine[k] - theirs[k]).abs().max()) for k in mine)
+    return seen

@@ -59,16 +59,20 @@ def semantics(rank: int, world: int, _: None) -> dict[str, object]:
     full = model.state_dict()
     out["extra"] = full["body.0._extra_state"]
     out["tied"] = torch.equal(full["embed.weight"], full["head.weight"])
-    out["loaded"] = all(torch.equal(full[k], v) for k, v in plain.state_dict().items() if not k.endswith("_extra_state"))
+    out["loaded"] = all(
+        torch.equal(full[k], v) for k, v in plain.state_dict().items() if not k.endswith("_extra_state")
+    )
 
-    with FSDP.state_dict_type(model, TorchStateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+    with FSDP.state_dict_type(
+        model, TorchStateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    ):
         rank0 = model.state_dict()
     out["rank0_only_len"] = len(rank0)
     out["back_to_default"] = list(model.state_dict()) == keys
 
-    partial: dict[str, object] = {k: v + 1.0 for k, v in full.items()
-                                  if k.startswith("body.2.") and isinstance(v, torch.Tensor)}
+    partial: dict[str, object] = {
+        k: v + 1.0 for k, v in full.items() if k.startswith("body.2.") and isinstance(v, torch.Tensor)
+    }
     partial["body.2._extra_state"] = {"calls": 7}
     result = model.load_state_dict(partial, strict=False)
     out["missing"] = sorted(result.missing_keys)
@@ -76,8 +80,9 @@ def semantics(rank: int, world: int, _: None) -> dict[str, object]:
     after = model.state_dict()
     out["partial_applied"] = all(torch.equal(after[k], v) for k, v in partial.items() if isinstance(v, torch.Tensor))
     out["extra_loaded"] = after["body.2._extra_state"]
-    out["rest_kept"] = all(torch.equal(after[k], v) for k, v in full.items()
-                           if k not in partial and not k.endswith("_extra_state"))
+    out["rest_kept"] = all(
+        torch.equal(after[k], v) for k, v in full.items() if k not in partial and not k.endswith("_extra_state")
+    )
     try:
         model.load_state_dict({**full, "nonsense": torch.zeros(1)})
         out["strict_error"] = ""

@@ -27,10 +27,38 @@ def test_core_sources_import_nothing_forbidden() -> None:
     assert len(files) >= 20 and (CORE / "plan" / "planner.py") in files
     for path in files:
         for name in imported_modules(path):
-            assert not any(name == f or name.startswith(f + ".") for f in FORBIDDEN), f"{path.relative_to(CORE)} imports {name}"
+            assert not any(name == f or name.startswith(f + ".") for f in FORBIDDEN), (
+                f"{path.relative_to(CORE)} imports {name}"
+            )
 
 
 def test_importing_core_loads_no_shell_module() -> None:
     code = "import sys, fsdp_core; print(sorted(m for m in sys.modules if m.startswith('fsdp_shell')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_clis_that_need_no_process_group_load_no_training_runtime() -> None:
+    """``fsdp-plan`` and ``fsdp-sim`` load no ``torch.distributed`` module beyond what ``import
+    torch`` itself loads, and no shell module outside ``fsdp_shell.cli``."""
+    code = (
+        "import sys, torch\n"
+        "before = {m for m in sys.modules if m.startswith('torch.distributed')}\n"
+        "import fsdp_shell.cli.plan, fsdp_shell.cli.sim\n"
+        "extra = sorted(m for m in sys.modules if m.startswith('torch.distributed') and m not in before)\n"
+        "shell = sorted(m for m in sys.modules if m.startswith('fsdp_shell') and not m.startswith('fsdp_shell.cli'))\n"
+        "print(extra, shell)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[] ['fsdp_shell']"
+
+
+def test_only_the_runtime_names_torch_cuda() -> None:
+    """Every device-specific line of the shell is in ``fsdp_shell/runtime/``."""
+    shell = CORE.parent / "fsdp_shell"
+    outside = sorted(
+        str(path.relative_to(shell))
+        for path in shell.rglob("*.py")
+        if "torch.cuda" in path.read_text() and path.relative_to(shell).parts[0] not in ("runtime", "demo")
+    )
+    assert outside == []

@@ -21,21 +21,27 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_shell.state.checkpoint import CURRENT, KILL_AT_ENV, current_version
-from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
 from fsdp_shell.cli.launch import run_world
+from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
+from fsdp_shell.state.checkpoint import CURRENT, KILL_AT_ENV, current_version
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4", "--eval-every", "100"]
-BASE = DemoConfig(steps=6, batch_size=4, quiet=True, eval_every=100,
-                  model=dataclasses.replace(DemoConfig().model, layers=2, width=32))
+BASE = DemoConfig(
+    steps=6, batch_size=4, quiet=True, eval_every=100, model=dataclasses.replace(DemoConfig().model, layers=2, width=32)
+)
 
 
 def demo(*argv: str, env: dict[str, str] | None = None, kill_after: float | None = None) -> int:
     """Run fsdp-demo in a session of its own; optionally SIGKILL the session after a delay."""
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_shell.demo.cli", *argv], cwd=ROOT,
-                            env={**os.environ, **(env or {})}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_shell.demo.cli", *argv],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         if kill_after is not None:
             try:
@@ -61,7 +67,8 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path: Pa
     expected = {2: resumed_losses(old), 4: resumed_losses(new)}
     assert expected[2][0] == 2 and expected[4][0] == 4
     trials: list[tuple[str, dict[str, str], float | None]] = [
-        (stage, {KILL_AT_ENV: stage}, None) for stage in ("shards", "manifest", "current")]
+        (stage, {KILL_AT_ENV: stage}, None) for stage in ("shards", "manifest", "current")
+    ]
     rng = random.Random(0)
     trials += [(f"random-{i}", {}, rng.uniform(1.0, 6.0)) for i in range(2)]
     outcomes = {}
@@ -114,7 +121,7 @@ def _garbage_metadata(version: Path) -> str:
 
 
 def _corrupt_meta(version: Path) -> str:
-    (version / "meta.json").write_text("{\"step\": ")
+    (version / "meta.json").write_text('{"step": ')
     return "meta.json"
 
 
@@ -135,16 +142,25 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("damage", [_truncate, _delete, _flip, _garbage_metadata, _corrupt_meta, _corrupt_manifest,
-                                    _no_current], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage",
+    [_truncate, _delete, _flip, _garbage_metadata, _corrupt_meta, _corrupt_manifest, _no_current],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_damage_is_one_line_naming_the_file_and_changes_nothing(tmp_path: Path, saved: Path, damage: object) -> None:
     assert callable(damage)
     directory = tmp_path / "ckpt"
     shutil.copytree(saved, directory)
     named = damage(current_version(directory))
     before = _tree_digest(directory)
-    done = subprocess.run([sys.executable, "-m", "fsdp_shell.demo.cli", "--steps", "4", "--resume", str(directory),
-                           *QUICK], capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_shell.demo.cli", "--steps", "4", "--resume", str(directory), *QUICK],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("fsdp-demo: error: --resume:"), done.stderr
     assert named in done.stderr, done.stderr

@@ -20,8 +20,19 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object
 
 
 def test_issue_example_hybrid_32_by_8(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, "--strategy", "HYBRID_SHARD", "--world-size", "32", "--shard-size", "8",
-                   "--numel", "302000000", "--reduce-dtype", "bfloat16")
+    out = run_json(
+        capsys,
+        "--strategy",
+        "HYBRID_SHARD",
+        "--world-size",
+        "32",
+        "--shard-size",
+        "8",
+        "--numel",
+        "302000000",
+        "--reduce-dtype",
+        "bfloat16",
+    )
     assert out["problems"] == []
     comm = out["comm"]
     assert isinstance(comm, list)
@@ -74,7 +85,9 @@ def test_every_strategy_and_option_gives_a_sound_plan(
         assert len(comm) == (2 if strategy.startswith("HYBRID") else 1)
 
 
-@pytest.mark.parametrize("options", [["--no-all-reduce"], ["--no-all-reduce", "--pending-partial"], ["--pending-partial"]])
+@pytest.mark.parametrize(
+    "options", [["--no-all-reduce"], ["--no-all-reduce", "--pending-partial"], ["--pending-partial"]]
+)
 def test_hybrid_deferred_all_reduce(capsys: pytest.CaptureFixture[str], options: list[str]) -> None:
     out = run_json(capsys, "--strategy", "HYBRID_SHARD", "--world-size", "8", "--shard-size", "4", *options)
     assert out["problems"] == []
@@ -107,8 +120,10 @@ def test_text_output_shows_plan_volume_verdict_and_timeline(capsys: pytest.Captu
         (["--rank", "9", "--world-size", "8"], "rank"),
         (["--divide-factor", "0"], "divide_factor"),
         (["--hybrid-all-reduce", "sync"], "hybrid_all_reduce"),
-        (["--strategy", "HYBRID_SHARD", "--world-size", "4", "--shard-size", "2", "--hybrid-all-reduce", "later"],
-         "hybrid_all_reduce"),
+        (
+            ["--strategy", "HYBRID_SHARD", "--world-size", "4", "--shard-size", "2", "--hybrid-all-reduce", "later"],
+            "hybrid_all_reduce",
+        ),
         (["--param-dtype", "int8"], "dtype"),
         (["--numel", "0"], "numel"),
         (["--world-size", "0"], "world-size"),
@@ -129,7 +144,10 @@ def test_invalid_combinations_exit_2_with_one_line(
 def test_console_script_runs_as_a_process() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "fsdp_shell.cli.plan", "--strategy", "NO_SHARD", "--world-size", "4", "--json"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
@@ -181,8 +199,9 @@ def test_units_show_the_all_gather_schedule_of_a_chain(capsys: pytest.CaptureFix
         (["--backward-prefetch", "None", "--forward-prefetch"], ["gather 1", "await 1"], []),
     ],
 )
-def test_backward_prefetch_options(capsys: pytest.CaptureFixture[str], options: list[str],
-                                   pre_backward_1: list[str], post_backward_2: list[str]) -> None:
+def test_backward_prefetch_options(
+    capsys: pytest.CaptureFixture[str], options: list[str], pre_backward_1: list[str], post_backward_2: list[str]
+) -> None:
     out = run_json(capsys, "--units", "3", *options)
     steps = {(event, unit): actions for event, unit, actions in _steps(out)}
     # Unit 2 follows the root, whose post-backward fires last: no mode prefetches it.

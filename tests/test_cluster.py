@@ -25,8 +25,12 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"emulated cluster u
 def _namespaces_of(pid: int) -> list[str]:
     """The namespaces ``run_on_cluster`` in process ``pid`` has now."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [w for line in listed.splitlines() for w in line.split()[:1] if w.startswith("fsdpnode")
-            and w.split("-")[1] == f"{pid:x}"]
+    return [
+        w
+        for line in listed.splitlines()
+        for w in line.split()[:1]
+        if w.startswith("fsdpnode") and w.split("-")[1] == f"{pid:x}"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +75,28 @@ def test_next_run_sweeps_namespaces_of_a_dead_process() -> None:
             run_on_cluster(sleep, 60.0, ranks_per_node=1, timeout=0.1)
         assert _namespaces_of(dead) == []
     finally:
-        subprocess.run(["ip", "netns", "del", f"fsdpnode0-{dead:x}-0"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", f"fsdpnode0-{dead:x}-0"], capture_output=True, check=False)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signalled_parent_kills_ranks_and_cleans_up(signum: signal.Signals) -> None:
-    code = "from benchmarks.cluster import run_on_cluster; from tests.cluster_cases import sleep; " \
-           "run_on_cluster(sleep, 60.0, ranks_per_node=1, timeout=120.0)"
+    code = (
+        "from benchmarks.cluster import run_on_cluster; from tests.cluster_cases import sleep; "
+        "run_on_cluster(sleep, 60.0, ranks_per_node=1, timeout=120.0)"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     try:
         ranks: list[int] = []
         deadline = time.monotonic() + 30.0
         while len(ranks) < 2 and time.monotonic() < deadline:  # both ranks started in their nodes
-            ranks = [int(pid) for ns in _namespaces_of(parent.pid) for pid in
-                     subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+            ranks = [
+                int(pid)
+                for ns in _namespaces_of(parent.pid)
+                for pid in subprocess.run(
+                    ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
+                ).stdout.split()
+            ]
             time.sleep(0.05)
         assert len(ranks) == 2, "the ranks did not start"
         parent.send_signal(signum)

@@ -12,18 +12,24 @@ from pathlib import Path
 import pytest
 
 from fsdp_core import ShardingStrategy
-from fsdp_shell.state.checkpoint import read_meta
+from fsdp_shell.cli.launch import free_port, run_world
 from fsdp_shell.demo.model import ModelConfig
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
-from fsdp_shell.cli.launch import free_port, run_world
+from fsdp_shell.state.checkpoint import read_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4"]
 
 
 def demo(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsdp_shell.demo.cli", *argv], capture_output=True, text=True,
-                          timeout=timeout, check=False, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_shell.demo.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=ROOT,
+    )
 
 
 def summary_value(out: str, key: str) -> str:
@@ -75,8 +81,9 @@ def test_hugging_face_models_check_against_the_reference(model: str) -> None:
 
 def test_gpt2_saved_flat_resumes_exactly_with_orig_params(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    base = DemoConfig(steps=6, batch_size=4, quiet=True, eval_every=100,
-                      model=ModelConfig(arch="gpt2", layers=2, width=32))
+    base = DemoConfig(
+        steps=6, batch_size=4, quiet=True, eval_every=100, model=ModelConfig(arch="gpt2", layers=2, width=32)
+    )
     whole = _run(base, 2)
     _run(dataclasses.replace(base, steps=3, save=str(tmp_path)), 2)
     resumed = _run(dataclasses.replace(base, resume=str(tmp_path), use_orig_params=True), 2)
@@ -90,8 +97,14 @@ def _run(cfg: DemoConfig, world: int) -> RunResult:
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
 def test_save_and_resume_continue_exactly(tmp_path: Path, use_orig_params: bool) -> None:
-    base = DemoConfig(steps=6, batch_size=4, quiet=True, use_orig_params=use_orig_params, eval_every=100,
-                      strategy=ShardingStrategy.FULL_SHARD)
+    base = DemoConfig(
+        steps=6,
+        batch_size=4,
+        quiet=True,
+        use_orig_params=use_orig_params,
+        eval_every=100,
+        strategy=ShardingStrategy.FULL_SHARD,
+    )
     whole = _run(base, 2)
     _run(dataclasses.replace(base, steps=3, save=str(tmp_path)), 2)
     meta = read_meta(tmp_path)
@@ -158,9 +171,27 @@ def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> N
 def test_runs_under_torchrun_with_the_launchers_ranks() -> None:
     port = str(free_port())
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", port, "-m", "fsdp_shell.demo.cli", "--steps", "3", *QUICK],
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "-m",
+            "fsdp_shell.demo.cli",
+            "--steps",
+            "3",
+            *QUICK,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("FULL_SHARD on 2 rank(s)") == 1, done.stdout

@@ -51,19 +51,28 @@ def test_more_ranks_than_elements_leaves_empty_shards() -> None:
     layout = FlatParamLayout.of([("w", (5,))], F32)
     sharding = ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 4)
     # shard size 2: ranks hold 0..2, 2..4, 4..5 (+1 pad), nothing (+2 pad), as torch.chunk does.
-    assert [(b.start, b.end, b.padding) for b in sharding.all_bounds(layout)] == [(0, 2, 0), (2, 4, 0), (4, 5, 1), (5, 5, 2)]
+    assert [(b.start, b.end, b.padding) for b in sharding.all_bounds(layout)] == [
+        (0, 2, 0),
+        (2, 4, 0),
+        (4, 5, 1),
+        (5, 5, 2),
+    ]
     assert sharding.shard_views(layout, 3) == ()
 
 
 def test_shard_views_split_parameters_across_ranks() -> None:
     layout = FlatParamLayout.of([("a", (2, 3)), ("b", (4,))], F32)  # a 0..6, b 6..10
     sharding = ShardingSpec.for_world(ShardingStrategy.SHARD_GRAD_OP, 3)  # shards of 4: 0..4, 4..8, 8..10
-    assert sharding.shard_views(layout, 0) == (ShardView(param_index=0, param_name="a", offset_in_buffer=0, offset_in_param=0, numel=4),)
+    assert sharding.shard_views(layout, 0) == (
+        ShardView(param_index=0, param_name="a", offset_in_buffer=0, offset_in_param=0, numel=4),
+    )
     assert sharding.shard_views(layout, 1) == (
         ShardView(param_index=0, param_name="a", offset_in_buffer=0, offset_in_param=4, numel=2),
         ShardView(param_index=1, param_name="b", offset_in_buffer=2, offset_in_param=0, numel=2),
     )
-    assert sharding.shard_views(layout, 2) == (ShardView(param_index=1, param_name="b", offset_in_buffer=0, offset_in_param=2, numel=2),)
+    assert sharding.shard_views(layout, 2) == (
+        ShardView(param_index=1, param_name="b", offset_in_buffer=0, offset_in_param=2, numel=2),
+    )
 
 
 def test_no_shard_has_one_shard_of_everything() -> None:
@@ -93,7 +102,11 @@ def test_mixed_precision_dtype_rules() -> None:
         (lambda: FlatParamLayout.of([("w", (1,)), ("w", (2,))], F32), ValueError, "duplicate"),
         (lambda: FlatParamLayout.of([("w", (1,))], torch.int64), TypeError, "dtype"),
         (lambda: ShardingSpec(strategy=ShardingStrategy.FULL_SHARD, shard_size=0), ValueError, "shard_size"),
-        (lambda: ShardingSpec(strategy=ShardingStrategy.FULL_SHARD, shard_size=4, replicate_size=2), ValueError, "replicate_size"),
+        (
+            lambda: ShardingSpec(strategy=ShardingStrategy.FULL_SHARD, shard_size=4, replicate_size=2),
+            ValueError,
+            "replicate_size",
+        ),
         (lambda: ShardingSpec(strategy=ShardingStrategy.FULL_SHARD, shard_size=4, rank=4), ValueError, "rank"),
         (lambda: ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 6, 4), ValueError, "does not divide"),
         (lambda: ShardingStrategy.parse("ZERO3"), ValueError, "accepted"),
@@ -142,7 +155,7 @@ def test_carried_role_of_every_destination(destination: Destination, role: Input
 
 
 def test_carried_roles_are_every_role_but_the_new_gradient() -> None:
-    assert CARRIED_ROLES == {InputRole.SHARDED_GRAD, InputRole.PENDING_UNSHARDED, InputRole.PENDING_PARTIAL}
+    assert {InputRole.SHARDED_GRAD, InputRole.PENDING_UNSHARDED, InputRole.PENDING_PARTIAL} == CARRIED_ROLES
     assert {carried_role(d) for d in Destination} == CARRIED_ROLES
 
 
@@ -150,17 +163,21 @@ def test_step_flags_say_which_carried_buffers_exist() -> None:
     assert step_flags(frozenset(), sync_gradients=True, requires_all_reduce=True) == StepFlags()
     every = frozenset({InputRole.SHARDED_GRAD, InputRole.PENDING_UNSHARDED, InputRole.PENDING_PARTIAL})
     assert step_flags(every, sync_gradients=False, requires_all_reduce=False, force_full_precision=True) == StepFlags(
-        sync_gradients=False, accumulate=True, pending_unsharded=True, requires_all_reduce=False,
-        pending_partial=True, force_full_precision=True,
+        sync_gradients=False,
+        accumulate=True,
+        pending_unsharded=True,
+        requires_all_reduce=False,
+        pending_partial=True,
+        force_full_precision=True,
     )
     only_partial = step_flags(frozenset({InputRole.PENDING_PARTIAL}), sync_gradients=True, requires_all_reduce=True)
     assert only_partial == StepFlags(pending_partial=True)
 
 
 def test_step_flags_refuse_a_carried_grad_naming_carried() -> None:
-    with pytest.raises(ValueError, match="^carried: InputRole.GRAD"):
+    with pytest.raises(ValueError, match=r"^carried: InputRole\.GRAD"):
         step_flags(frozenset({InputRole.GRAD}), sync_gradients=True, requires_all_reduce=True)
-    with pytest.raises(TypeError, match="^carried: expected a frozenset of InputRole"):
+    with pytest.raises(TypeError, match=r"^carried: expected a frozenset of InputRole"):
         step_flags({InputRole.SHARDED_GRAD}, sync_gradients=True, requires_all_reduce=True)  # type: ignore[arg-type]  # bad input on purpose
-    with pytest.raises(TypeError, match="^carried"):
+    with pytest.raises(TypeError, match=r"^carried"):
         step_flags(frozenset({"sharded_grad"}), sync_gradients=True, requires_all_reduce=True)  # type: ignore[arg-type]  # bad input on purpose

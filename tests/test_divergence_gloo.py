@@ -26,8 +26,13 @@ TWO_RANKS = (
 
 FOUR_RANKS = (
     Divergence("hybrid-skip", skip=(F(), F({1}), F(), F({2, 3})), strategy=ShardingStrategy.HYBRID_SHARD),
-    Divergence("hybrid-zero2-unused-orig", skip=(F(),), unused=(F(), F(), F({0}), F()),
-               strategy=ShardingStrategy.HYBRID_SHARD_ZERO2, use_orig_params=True),
+    Divergence(
+        "hybrid-zero2-unused-orig",
+        skip=(F(),),
+        unused=(F(), F(), F({0}), F()),
+        strategy=ShardingStrategy.HYBRID_SHARD_ZERO2,
+        use_orig_params=True,
+    ),
 )
 
 

@@ -65,8 +65,9 @@ def test_check_names_a_stale_table_and_regenerate_fixes_it(generator: Generator,
     original = examples.read_text(encoding="utf-8")
     fresh = generator.render("plan", "full_shard")
     assert fresh in original
-    examples.write_text(original.replace(fresh, fresh.replace("shard[126:float32]", "shard[125:float32]")),
-                        encoding="utf-8")
+    examples.write_text(
+        original.replace(fresh, fresh.replace("shard[126:float32]", "shard[125:float32]")), encoding="utf-8"
+    )
 
     assert generator.stale_blocks(docs) == ["examples.md plan:full_shard"]
     assert generator.regenerate(docs) == ["examples.md plan:full_shard"]
@@ -77,8 +78,9 @@ def test_check_names_a_stale_table_and_regenerate_fixes_it(generator: Generator,
 def test_check_reports_unknown_and_unpaired_markers(generator: Generator, tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "a.md").write_text("<!-- plan:no_such_example -->\n```text\n```\n<!-- /plan:no_such_example -->\n",
-                               encoding="utf-8")
+    (docs / "a.md").write_text(
+        "<!-- plan:no_such_example -->\n```text\n```\n<!-- /plan:no_such_example -->\n", encoding="utf-8"
+    )
     (docs / "b.md").write_text("<!-- plan:full_shard -->\n```text\n```\n", encoding="utf-8")
     found = generator.stale_blocks(docs)
     assert found[0] == "a.md plan:no_such_example: unknown example"
@@ -109,8 +111,14 @@ def test_every_stream_destination_and_input_role_is_documented() -> None:
 
 def test_links_between_documents_resolve() -> None:
     documents = sorted(DOCS.glob("*.md"))
-    assert {p.name for p in documents} >= {"index.md", "design.md", "descriptors.md", "plan-reference.md",
-                                           "verifier.md", "examples.md"}
+    assert {p.name for p in documents} >= {
+        "index.md",
+        "design.md",
+        "descriptors.md",
+        "plan-reference.md",
+        "verifier.md",
+        "examples.md",
+    }
     index = read("index.md")
     for path in documents:
         if path.name != "index.md":

@@ -108,7 +108,7 @@ def parse_blocks(page: Path) -> list[Block]:
             end += 1
         if end == len(lines):
             raise ValueError(f"{page.name}:L{i + 1}: unclosed ```python block")
-        code = "\n".join(line.removeprefix(indent) for line in lines[i + 1:end]) + "\n"
+        code = "\n".join(line.removeprefix(indent) for line in lines[i + 1 : end]) + "\n"
         out.append(_classify(page, i + 1, code, _directive(lines, i, page)))
         i = end + 1
     return out
@@ -211,7 +211,11 @@ BLOCKS = [block for page in PAGES for block in parse_blocks(page)]
 def test_strict_build_has_no_warnings(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
@@ -259,6 +263,11 @@ def test_code_block(block: Block, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-c", RUNNER, str(path), block.mode],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, f"{block.id} failed:\n{result.stdout}\n{result.stderr}"

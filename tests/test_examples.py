@@ -11,8 +11,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_drop_in_example_trains() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "drop_in.py")], capture_output=True, text=True,
-                          timeout=300, check=False, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "drop_in.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", done.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0] / 2, done.stdout

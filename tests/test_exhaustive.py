@@ -44,6 +44,7 @@ from fsdp_core import (
     CommHookCall,
     Destination,
     Device,
+    Event,
     FlatParamLayout,
     Gather,
     Group,
@@ -60,7 +61,6 @@ from fsdp_core import (
     ShardingStrategy,
     Stream,
     UnshardAction,
-    Event,
     UnshardRequest,
     UnshardSchedule,
     UnshardStep,
@@ -76,11 +76,11 @@ from fsdp_core import (
     plan_unshard,
     unshard_to_json,
 )
-from fsdp_core.sim import CostModel, simulate_timeline
-from fsdp_core.plan.request import buffers_of
 from fsdp_core.plan.render import describe_op
-from fsdp_shell.units.flat_param import FlatParamHandle
+from fsdp_core.plan.request import buffers_of
+from fsdp_core.sim import CostModel, simulate_timeline
 from fsdp_shell.runtime.reference_interpreter import SimulationError, WorldGeometry, simulate
+from fsdp_shell.units.flat_param import FlatParamHandle
 from fsdp_shell.units.unshard import UnshardRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,15 +164,33 @@ def test_buffers_of_is_every_buffer_field(kind: type) -> None:
 def test_buffers_of_each_kind() -> None:
     got = {kind.__name__: tuple(b.name for b in buffers_of(op)) for kind, op in OPS.items()}
     assert got == {
-        "Input": ("buffer",), "WaitStream": (), "RecordStream": ("buffer",), "Free": ("buffer",),
-        "FreeUnshardedParam": (), "Cast": ("src", "dst"), "Pad": ("src", "dst"), "Divide": ("buffer",),
-        "ReduceScatter": ("src", "dst"), "AllReduce": ("buffer",), "CommHookCall": ("src", "dst"),
-        "Accumulate": ("src", "dst"), "Offload": ("src", "dst"), "GradViews": ("buffer",),
-        "EndOfBackwardWait": (), "HandOff": ("buffer",),
+        "Input": ("buffer",),
+        "WaitStream": (),
+        "RecordStream": ("buffer",),
+        "Free": ("buffer",),
+        "FreeUnshardedParam": (),
+        "Cast": ("src", "dst"),
+        "Pad": ("src", "dst"),
+        "Divide": ("buffer",),
+        "ReduceScatter": ("src", "dst"),
+        "AllReduce": ("buffer",),
+        "CommHookCall": ("src", "dst"),
+        "Accumulate": ("src", "dst"),
+        "Offload": ("src", "dst"),
+        "GradViews": ("buffer",),
+        "EndOfBackwardWait": (),
+        "HandOff": ("buffer",),
     }
     src = Buffer(name="g", numel=NUMEL, dtype=torch.float32)
-    in_place = CommHookCall(hook=CommHook.ALLREDUCE, src=src, dst=src, group=Group.SHARD, divides_by=2,
-                            wire_dtype=torch.float32, stream=Stream.COMPUTE)
+    in_place = CommHookCall(
+        hook=CommHook.ALLREDUCE,
+        src=src,
+        dst=src,
+        group=Group.SHARD,
+        divides_by=2,
+        wire_dtype=torch.float32,
+        stream=Stream.COMPUTE,
+    )
     assert buffers_of(in_place) == (src,)
 
 
@@ -199,23 +217,39 @@ def test_comm_volume_counts_exactly_the_collectives(kind: type) -> None:
 
 
 SECONDS = {
-    "Input": 0.0, "WaitStream": 0.0, "RecordStream": 0.0, "Free": 0.0, "FreeUnshardedParam": 0.0,
-    "GradViews": 0.0, "EndOfBackwardWait": 0.0, "HandOff": 0.0,
+    "Input": 0.0,
+    "WaitStream": 0.0,
+    "RecordStream": 0.0,
+    "Free": 0.0,
+    "FreeUnshardedParam": 0.0,
+    "GradViews": 0.0,
+    "EndOfBackwardWait": 0.0,
+    "HandOff": 0.0,
     # element-wise over device bandwidth 1 B/s: read 32 + write 32; divide reads and writes 32;
     # accumulate reads src, reads and writes dst.
-    "Cast": 64.0, "Pad": 64.0, "Divide": 64.0, "Accumulate": 96.0,
+    "Cast": 64.0,
+    "Pad": 64.0,
+    "Divide": 64.0,
+    "Accumulate": 96.0,
     # 32 bytes to the host at 4 B/s.
     "Offload": 8.0,
     # latency 100 s + ring bytes over the shard link (2 B/s) of a group of 2: a reduce-scatter of
     # 8 fp32 sends 1 chunk of 4 (16 B); an all-reduce twice that (32 B).
-    "ReduceScatter": 108.0, "AllReduce": 116.0, "CommHookCall": 108.0,
+    "ReduceScatter": 108.0,
+    "AllReduce": 116.0,
+    "CommHookCall": 108.0,
 }
 
 
 @pytest.mark.parametrize("kind", OP_KINDS, ids=by_name)
 def test_timeline_costs_every_kind(kind: type) -> None:
-    cost = CostModel(device_bandwidth=1.0, shard_link_bandwidth=2.0, replicate_link_bandwidth=1.0,
-                     host_bandwidth=4.0, collective_latency=100.0)
+    cost = CostModel(
+        device_bandwidth=1.0,
+        shard_link_bandwidth=2.0,
+        replicate_link_bandwidth=1.0,
+        host_bandwidth=4.0,
+        collective_latency=100.0,
+    )
     (entry,) = simulate_timeline(one_op_plan(OPS[kind]), cost)
     assert (entry.op, entry.op_index, entry.start) == (op_name(OPS[kind]), 0, 0.0)
     assert entry.end == pytest.approx(SECONDS[kind.__name__])
@@ -240,8 +274,9 @@ def test_simulated_world_runs_every_kind(kind: type) -> None:
 
 # -- every action kind through every consumer ------------------------------------------------
 
-SCHEDULE_REQUEST = UnshardRequest(units=1, root=0, forward_order=(0,), backward_order=(0,),
-                                  reshard_after_forward=False, reshard_after_backward=True)
+SCHEDULE_REQUEST = UnshardRequest(
+    units=1, root=0, forward_order=(0,), backward_order=(0,), reshard_after_forward=False, reshard_after_backward=True
+)
 
 
 def schedule_with(action: UnshardAction) -> UnshardSchedule:
@@ -276,7 +311,10 @@ def test_every_action_kind_through_every_consumer(kind: type) -> None:
     assert ["0", "pre_backward", "0", action_name(action), "0"] in rows
     steps = unshard_to_json(schedule)["steps"]
     assert isinstance(steps, list) and steps[0] == {
-        "event": "pre_backward", "unit": 0, "actions": [{"action": action_name(action), "unit": 0}]}
+        "event": "pre_backward",
+        "unit": 0,
+        "actions": [{"action": action_name(action), "unit": 0}],
+    }
     # Unit 0 is the root, so it is still gathered from forward when its backward starts: gathering
     # it again is a double gather, awaiting it is harmless, resharding it leaves its backward
     # running on a sharded parameter.
@@ -286,11 +324,21 @@ def test_every_action_kind_through_every_consumer(kind: type) -> None:
     entries = simulate_timeline(one_op_plan(OPS[Input]), unshard=schedule)
     assert [e.op for e in entries if e.op_index < 0] == (["all_gather"] if kind is Gather else [])
     handle = FakeHandle()
-    runner = UnshardRunner([cast(FlatParamHandle, handle)], 0, reshard_after_forward=False,
-                           reshard_after_backward=True, backward_prefetch=None, forward_prefetch=False)
+    runner = UnshardRunner(
+        [cast(FlatParamHandle, handle)],
+        0,
+        reshard_after_forward=False,
+        reshard_after_backward=True,
+        backward_prefetch=None,
+        forward_prefetch=False,
+    )
     runner.schedule = schedule
     runner.run(Event.PRE_BACKWARD, 0)
-    expected_calls: dict[type, str] = {Gather: "start_unshard", AwaitGather: "finish_unshard", Reshard: "free_unsharded"}
+    expected_calls: dict[type, str] = {
+        Gather: "start_unshard",
+        AwaitGather: "finish_unshard",
+        Reshard: "free_unsharded",
+    }
     assert handle.calls == [expected_calls[kind]]
 
 
@@ -303,19 +351,34 @@ def test_every_enum_member_is_mapped() -> None:
     # rank 3 is replica 1, shard rank 1: its shard group is ranks 2, 3; its replicate group 1, 3, 5.
     assert {g: geometry.members(3, g) for g in Group} == {Group.SHARD: (2, 3), Group.REPLICATE: (1, 3, 5)}
     assert [str(Buffer(name="b", numel=2, dtype=torch.float16, device=d)) for d in Device] == [
-        "b[2:float16]", "b[2:float16@host]"]
+        "b[2:float16]",
+        "b[2:float16@host]",
+    ]
     assert {d: carried_role(d) for d in Destination} == {
-        Destination.SHARDED_GRAD: InputRole.SHARDED_GRAD, Destination.ACCUMULATED_GRAD: InputRole.SHARDED_GRAD,
-        Destination.CPU_GRAD: InputRole.SHARDED_GRAD, Destination.UNSHARDED_GRAD: InputRole.PENDING_UNSHARDED,
-        Destination.PARTIAL: InputRole.PENDING_PARTIAL}
+        Destination.SHARDED_GRAD: InputRole.SHARDED_GRAD,
+        Destination.ACCUMULATED_GRAD: InputRole.SHARDED_GRAD,
+        Destination.CPU_GRAD: InputRole.SHARDED_GRAD,
+        Destination.UNSHARDED_GRAD: InputRole.PENDING_UNSHARDED,
+        Destination.PARTIAL: InputRole.PENDING_PARTIAL,
+    }
     assert {h: h.wire_dtype for h in CommHook} == {
-        CommHook.NONE: None, CommHook.ALLREDUCE: None, CommHook.REDUCE_SCATTER: None,
-        CommHook.FP16_COMPRESS: torch.float16, CommHook.BF16_COMPRESS: torch.bfloat16, CommHook.USER: None}
+        CommHook.NONE: None,
+        CommHook.ALLREDUCE: None,
+        CommHook.REDUCE_SCATTER: None,
+        CommHook.FP16_COMPRESS: torch.float16,
+        CommHook.BF16_COMPRESS: torch.bfloat16,
+        CommHook.USER: None,
+    }
     specs = [ReduceOpSpec(kind=k, premul=0.5 if k is ReduceKind.PREMUL_SUM else 1.0) for k in ReduceKind]
     assert [(str(s), s.scale(4)) for s in specs] == [("sum", 1.0), ("avg", 0.25), ("premul_sum(0.5)", 0.5)]
     assert {e: len(SCHEDULE_REQUEST.on_demand(e, 0)) for e in Event} == {
-        Event.PRE_FORWARD: 2, Event.POST_FORWARD: 0, Event.END_FORWARD: 0, Event.PRE_BACKWARD: 2,
-        Event.POST_BACKWARD: 0, Event.END_BACKWARD: 0}
+        Event.PRE_FORWARD: 2,
+        Event.POST_FORWARD: 0,
+        Event.END_FORWARD: 0,
+        Event.PRE_BACKWARD: 2,
+        Event.POST_BACKWARD: 0,
+        Event.END_BACKWARD: 0,
+    }
     assert len(plan_unshard(SCHEDULE_REQUEST).steps) == len(SCHEDULE_REQUEST.events)
 
 
@@ -340,8 +403,13 @@ def _ends_in_assert_never(match: ast.Match) -> bool:
     if last.guard is not None or len(last.body) != 1 or not isinstance(last.body[0], ast.Expr):
         return False
     call = last.body[0].value
-    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "assert_never"
-            and len(call.args) == 1 and ast.dump(call.args[0]) == ast.dump(match.subject))
+    return (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and call.func.id == "assert_never"
+        and len(call.args) == 1
+        and ast.dump(call.args[0]) == ast.dump(match.subject)
+    )
 
 
 def test_every_match_ends_in_assert_never() -> None:
@@ -360,13 +428,21 @@ UNIONS = {"Op", "UnshardAction"}
 
 
 def _dispatches_on_parameter(function: ast.FunctionDef) -> list[str]:
-    params = {a.arg for a in [*function.args.args, *function.args.kwonlyargs]
-              if a.annotation is not None and ast.unparse(a.annotation) in UNIONS}
+    params = {
+        a.arg
+        for a in [*function.args.args, *function.args.kwonlyargs]
+        if a.annotation is not None and ast.unparse(a.annotation) in UNIONS
+    }
     out: list[str] = []
     for node in ast.walk(function):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in ("isinstance", "type", "getattr") and node.args
-                and isinstance(node.args[0], ast.Name) and node.args[0].id in params):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("isinstance", "type", "getattr")
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id in params
+        ):
             out.append(f"{function.name}:{node.lineno}: {ast.unparse(node)}")
     return out
 
@@ -403,19 +479,31 @@ def _core_modules() -> list[Any]:
 
 
 def _tables() -> dict[str, MappingProxyType[Any, Any]]:
-    return {f"{module.__name__}.{name}": value for module in _core_modules()
-            for name, value in vars(module).items() if isinstance(value, MappingProxyType)}
+    return {
+        f"{module.__name__}.{name}": value
+        for module in _core_modules()
+        for name, value in vars(module).items()
+        if isinstance(value, MappingProxyType)
+    }
 
 
 def test_no_mutable_module_level_container_in_core() -> None:
-    mutable = [f"{module.__name__}.{name}" for module in _core_modules() for name, value in vars(module).items()
-               if not name.startswith("__") and isinstance(value, (dict, list, set, bytearray))]
+    mutable = [
+        f"{module.__name__}.{name}"
+        for module in _core_modules()
+        for name, value in vars(module).items()
+        if not name.startswith("__") and isinstance(value, (dict, list, set, bytearray))
+    ]
     assert mutable == []
 
 
 def test_the_tables_are_found() -> None:
-    assert set(_tables()) >= {"fsdp_core.plan.planner.PLAN_BUILDERS", "fsdp_core.plan.planner._DTYPE_TAGS",
-                              "fsdp_core.sim.timeline._MARKS", "fsdp_core.unshard.verifier._USE"}
+    assert set(_tables()) >= {
+        "fsdp_core.plan.planner.PLAN_BUILDERS",
+        "fsdp_core.plan.planner._DTYPE_TAGS",
+        "fsdp_core.sim.timeline._MARKS",
+        "fsdp_core.unshard.verifier._USE",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(_tables()))

@@ -72,8 +72,11 @@ def _inject(path: Path, anchor: str, text: str) -> None:
 
 def _functions_by_line(path: Path) -> list[tuple[int, int, str]]:
     tree = ast.parse(path.read_text())
-    return [(node.lineno, node.end_lineno or node.lineno, node.name) for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        (node.lineno, node.end_lineno or node.lineno, node.name)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def _innermost(path: Path, line: int) -> str:
@@ -90,10 +93,15 @@ def _op_matchers(root: Path) -> set[tuple[str, str]]:
             for node in ast.walk(ast.parse(path.read_text())):
                 if not isinstance(node, ast.FunctionDef):
                     continue
-                params = {a.arg for a in [*node.args.args, *node.args.kwonlyargs]
-                          if a.annotation is not None and ast.unparse(a.annotation) == "Op"}
-                if any(isinstance(m, ast.Match) and isinstance(m.subject, ast.Name) and m.subject.id in params
-                       for m in ast.walk(node)):
+                params = {
+                    a.arg
+                    for a in [*node.args.args, *node.args.kwonlyargs]
+                    if a.annotation is not None and ast.unparse(a.annotation) == "Op"
+                }
+                if any(
+                    isinstance(m, ast.Match) and isinstance(m.subject, ast.Name) and m.subject.id in params
+                    for m in ast.walk(node)
+                ):
                     out.add((path.relative_to(root).as_posix(), node.name))
     return out
 
@@ -111,14 +119,21 @@ def test_mypy_rejects_an_unhandled_op_or_action_everywhere(tmp_path: Path) -> No
 
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(cache), "--no-error-summary", "fsdp_core", "fsdp_shell"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     errors = [line for line in done.stdout.splitlines() if ": error: " in line]
     assert done.returncode == 1 and errors, done.stdout + done.stderr
     found: dict[str, set[tuple[str, str]]] = {"Barrier": set(), "Pause": set()}
     for line in errors:
-        m = re.fullmatch(r'(\S+?):(\d+): error: Argument 1 to "assert_never" has incompatible type '
-                         r'"(Barrier|Pause)"; expected "Never"  \[arg-type\]', line)
+        m = re.fullmatch(
+            r'(\S+?):(\d+): error: Argument 1 to "assert_never" has incompatible type '
+            r'"(Barrier|Pause)"; expected "Never"  \[arg-type\]',
+            line,
+        )
         assert m is not None, f"an error other than an unhandled dummy kind:\n{line}"
         path, lineno, kind = m.group(1), int(m.group(2)), m.group(3)
         found[kind].add((path, _innermost(tmp_path / path, lineno)))

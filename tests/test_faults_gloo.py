@@ -10,10 +10,12 @@ from tests.fault_cases import mismatches, mixed_layouts, on_a_subgroup, recovery
 
 def test_ranks_that_disagree_raise_the_same_error_before_any_collective() -> None:
     results = run_world(2, mismatches, None, timeout=120)
-    for field, fragment in (("mixed_precision", "ranks disagree on mixed_precision"),
-                            ("wrap_policy", "ranks disagree on number of FSDP units"),
-                            ("strategy", "ranks disagree on sharding_strategy"),
-                            ("comm_hook", "ranks disagree on comm hook")):
+    for field, fragment in (
+        ("mixed_precision", "ranks disagree on mixed_precision"),
+        ("wrap_policy", "ranks disagree on number of FSDP units"),
+        ("strategy", "ranks disagree on sharding_strategy"),
+        ("comm_hook", "ranks disagree on comm hook"),
+    ):
         messages = [r[field] for r in results]
         assert isinstance(messages[0], str) and fragment in messages[0], (field, messages)
         assert messages[0] == messages[1], (field, messages)  # the same error on every rank

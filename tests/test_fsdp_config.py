@@ -64,7 +64,12 @@ def test_bad_configurations_fail_at_construction() -> None:
 
 def test_torch_config_objects_are_accepted() -> None:
     (out, _) = run_world(2, torch_config_objects, None, timeout=300)
-    assert out == {"strategy": "SHARD_GRAD_OP", "out_dtype": "torch.bfloat16", "units": "3", "none_strategy": "FULL_SHARD"}
+    assert out == {
+        "strategy": "SHARD_GRAD_OP",
+        "out_dtype": "torch.bfloat16",
+        "units": "3",
+        "none_strategy": "FULL_SHARD",
+    }
 
 
 def test_needs_an_initialised_process_group() -> None:

@@ -20,7 +20,11 @@ FP32_TOL = 1e-5
 BF16_TOL = 5e-2
 
 FLAT_CASES: tuple[Case, ...] = (
-    *(Case(name=f"{s.name}-orig{o}", strategy=s, use_orig_params=o) for s in (FULL, GRAD_OP, NO_SHARD) for o in (False, True)),
+    *(
+        Case(name=f"{s.name}-orig{o}", strategy=s, use_orig_params=o)
+        for s in (FULL, GRAD_OP, NO_SHARD)
+        for o in (False, True)
+    ),
     Case(name="FULL-bf16", mp="bf16"),
     Case(name="FULL-bf16-orig", mp="bf16", use_orig_params=True),
     Case(name="GRAD_OP-bf16-reduce", strategy=GRAD_OP, mp="bf16-reduce"),
@@ -41,10 +45,18 @@ FLAT_CASES: tuple[Case, ...] = (
     Case(name="FULL-hook-fp16", hook="fp16", fsdp1=False),
     Case(name="NO_SHARD-hook-bf16", strategy=NO_SHARD, hook="bf16", fsdp1=False),
     Case(name="FULL-in-collective-division", division="in_collective"),
-    Case(name="NO_SHARD-in-collective-division-orig", strategy=NO_SHARD, division="in_collective", use_orig_params=True),
+    Case(
+        name="NO_SHARD-in-collective-division-orig", strategy=NO_SHARD, division="in_collective", use_orig_params=True
+    ),
     Case(name="FULL-divide-factor", divide_factor=5.0, fsdp1=False),
-    Case(name="GRAD_OP-in-collective-divide-factor-accumulate", strategy=GRAD_OP, division="in_collective",
-         divide_factor=3.0, accumulate=2, fsdp1=False),
+    Case(
+        name="GRAD_OP-in-collective-divide-factor-accumulate",
+        strategy=GRAD_OP,
+        division="in_collective",
+        divide_factor=3.0,
+        accumulate=2,
+        fsdp1=False,
+    ),
 )
 
 HYBRID_CASES: tuple[Case, ...] = (
@@ -57,19 +69,44 @@ HYBRID_CASES: tuple[Case, ...] = (
     Case(name="HYBRID-hook-reduce_scatter", strategy=HYBRID, hook="reduce_scatter", fsdp1=False),
     Case(name="HYBRID2-hook-torch-default", strategy=HYBRID2, hook="torch-default", fsdp1=False),
     Case(name="HYBRID-offload-orig", strategy=HYBRID, offload=True, use_orig_params=True, fsdp1=False),
-    Case(name="HYBRID-in-collective-divide-factor", strategy=HYBRID, division="in_collective", divide_factor=8.0,
-         fsdp1=False),
-    *(Case(name=f"{s.name}-sync-orig{o}", strategy=s, use_orig_params=o, hybrid_all_reduce="sync")
-      for s in (HYBRID, HYBRID2) for o in (False, True)),
+    Case(
+        name="HYBRID-in-collective-divide-factor",
+        strategy=HYBRID,
+        division="in_collective",
+        divide_factor=8.0,
+        fsdp1=False,
+    ),
+    *(
+        Case(name=f"{s.name}-sync-orig{o}", strategy=s, use_orig_params=o, hybrid_all_reduce="sync")
+        for s in (HYBRID, HYBRID2)
+        for o in (False, True)
+    ),
     Case(name="HYBRID-sync-bf16", strategy=HYBRID, mp="bf16", hybrid_all_reduce="sync"),
     Case(name="HYBRID-sync-no_sync", strategy=HYBRID, no_sync=1, hybrid_all_reduce="sync"),
     Case(name="HYBRID2-sync-accumulate-clip", strategy=HYBRID2, accumulate=2, clip=0.05, hybrid_all_reduce="sync"),
-    Case(name="HYBRID-sync-deferred-all-reduce", strategy=HYBRID, accumulate=3, defer_all_reduce=True, fsdp1=False,
-         hybrid_all_reduce="sync"),
-    Case(name="HYBRID-sync-hook-reduce_scatter", strategy=HYBRID, hook="reduce_scatter", fsdp1=False,
-         hybrid_all_reduce="sync"),
-    Case(name="HYBRID-sync-offload-orig", strategy=HYBRID, offload=True, use_orig_params=True, fsdp1=False,
-         hybrid_all_reduce="sync"),
+    Case(
+        name="HYBRID-sync-deferred-all-reduce",
+        strategy=HYBRID,
+        accumulate=3,
+        defer_all_reduce=True,
+        fsdp1=False,
+        hybrid_all_reduce="sync",
+    ),
+    Case(
+        name="HYBRID-sync-hook-reduce_scatter",
+        strategy=HYBRID,
+        hook="reduce_scatter",
+        fsdp1=False,
+        hybrid_all_reduce="sync",
+    ),
+    Case(
+        name="HYBRID-sync-offload-orig",
+        strategy=HYBRID,
+        offload=True,
+        use_orig_params=True,
+        fsdp1=False,
+        hybrid_all_reduce="sync",
+    ),
 )
 
 

@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -48,15 +49,28 @@ class Deep(nn.Module):
         return x
 
 
-def _train(strategy: ShardingStrategy, *, mp: MixedPrecision | None = None, slow: Stream | None = None,
-           steps: int = 4, **options: Any) -> float:
+def _train(
+    strategy: ShardingStrategy,
+    *,
+    mp: MixedPrecision | None = None,
+    slow: Stream | None = None,
+    steps: int = 4,
+    **options: Any,
+) -> float:
     torch.manual_seed(0)
     ref = Deep().cuda()
     ours = Deep().cuda()
     ours.load_state_dict(ref.state_dict())
     mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard")) if strategy.is_hybrid else None
-    model = FSDP(ours, sharding_strategy=strategy, auto_wrap_policy={nn.Linear}, mixed_precision=mp,
-                 device_mesh=mesh, device_id=torch.device("cuda", 0), **options)
+    model = FSDP(
+        ours,
+        sharding_strategy=strategy,
+        auto_wrap_policy={nn.Linear},
+        mixed_precision=mp,
+        device_mesh=mesh,
+        device_id=torch.device("cuda", 0),
+        **options,
+    )
     if slow is not None:
         _slow_stream(model, slow)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -68,7 +82,7 @@ def _train(strategy: ShardingStrategy, *, mp: MixedPrecision | None = None, slow
         ref(x).square().mean().backward()
         opt.step(), ropt.step(), opt.zero_grad(), ropt.zero_grad()
         full = model.full_state_dict()
-        worst = max(worst, max(float((full[k].cuda() - v).abs().max()) for k, v in ref.state_dict().items()))
+        worst = max(worst, *(float((full[k].cuda() - v).abs().max()) for k, v in ref.state_dict().items()))
     torch.cuda.synchronize()
     return worst
 
@@ -109,8 +123,11 @@ def test_plan_streams_are_distinct_cuda_streams(nccl_world: None) -> None:
 
 @pytest.mark.parametrize(
     ("strategy", "slow"),
-    [(ShardingStrategy.FULL_SHARD, Stream.POST_BACKWARD), (ShardingStrategy.HYBRID_SHARD, Stream.ALL_REDUCE),
-     (ShardingStrategy.HYBRID_SHARD, Stream.POST_BACKWARD)],
+    [
+        (ShardingStrategy.FULL_SHARD, Stream.POST_BACKWARD),
+        (ShardingStrategy.HYBRID_SHARD, Stream.ALL_REDUCE),
+        (ShardingStrategy.HYBRID_SHARD, Stream.POST_BACKWARD),
+    ],
     ids=["full-slow-post-backward", "hybrid-slow-all-reduce", "hybrid-slow-post-backward"],
 )
 def test_slow_stream_stress_buffer_lifetimes(nccl_world: None, strategy: ShardingStrategy, slow: Stream) -> None:
@@ -130,8 +147,12 @@ def test_cpu_offload_copies_into_pinned_buffers(nccl_world: None) -> None:
     from fsdp_core import CPUOffload
 
     assert _train(ShardingStrategy.FULL_SHARD, cpu_offload=CPUOffload(offload_params=True)) < 1e-5
-    model = FSDP(Deep().cuda(), auto_wrap_policy={nn.Linear}, cpu_offload=CPUOffload(offload_params=True),
-                 device_id=torch.device("cuda", 0))
+    model = FSDP(
+        Deep().cuda(),
+        auto_wrap_policy={nn.Linear},
+        cpu_offload=CPUOffload(offload_params=True),
+        device_id=torch.device("cuda", 0),
+    )
     model(torch.randn(8, 257, device="cuda")).sum().backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.device.type == "cpu" and g.is_pinned() for g in grads)
@@ -169,14 +190,15 @@ def test_peak_memory_does_not_exceed_fsdp1(nccl_world: None) -> None:
         model = wrap(Deep(width=2048, depth=8).cuda())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         torch.cuda.reset_peak_memory_stats()
-        for step in range(3):
+        for _step in range(3):
             model(torch.randn(256, 2048, device="cuda")).square().mean().backward()
             opt.step()
             opt.zero_grad()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
 
-    theirs = peak(lambda m: TorchFSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                                      device_id=torch.device("cuda", 0)))
+    theirs = peak(
+        lambda m: TorchFSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cuda", 0))
+    )
     ours = peak(lambda m: FSDP(m, auto_wrap_policy={nn.Linear}, device_id=torch.device("cuda", 0)))
     assert ours <= theirs * 1.02, f"ours {ours / 2**20:.1f} MiB vs FSDP1 {theirs / 2**20:.1f} MiB"

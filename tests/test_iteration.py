@@ -4,6 +4,7 @@ calibration from measurements, and the renderings. Expected times are worked out
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from fractions import Fraction
 
@@ -14,6 +15,7 @@ from fsdp_core.sim import (
     ACTIVITY_MARKS,
     SEED_PARAMETERS,
     SEED_ROWS,
+    Activity,
     Collective,
     CollectiveCosts,
     CollectiveSample,
@@ -25,7 +27,6 @@ from fsdp_core.sim import (
     Load,
     MeasuredUnit,
     Measurements,
-    Activity,
     Schedule,
     SeedParameters,
     SharingSample,
@@ -109,8 +110,9 @@ def test_an_inter_node_transfer_slows_intra_node_ones_and_not_the_reverse() -> N
     tasks = [transfer(10, INTRA), transfer(10, INTER)]
     assert run_tasks(tasks, capacity=ONE, cross_link_slowdown=F(2)) == spans((0, 15), (0, 10))
     # Transfers on one link only: no slowdown across links, only sharing.
-    assert run_tasks([transfer(10, INTRA), transfer(10, INTRA)], capacity=ONE, cross_link_slowdown=F(3)) == \
-        spans((0, 20), (0, 20))
+    assert run_tasks([transfer(10, INTRA), transfer(10, INTRA)], capacity=ONE, cross_link_slowdown=F(3)) == spans(
+        (0, 20), (0, 20)
+    )
     # Compute on its own is no other link.
     tasks = [transfer(10, INTRA), SimTask(after=(), work=F(10))]
     assert run_tasks(tasks, capacity=ONE, cross_link_slowdown=F(2)) == spans((0, 10), (0, 10))
@@ -158,22 +160,34 @@ def test_speedups_are_rejected() -> None:
         ([transfer(1)], ONE, F(1, 2), "contention"),
     ],
 )
-def test_run_tasks_rejects_bad_input(tasks: list[SimTask], capacity: dict[Link, Fraction], contention: Fraction,
-                                     fragment: str) -> None:
+def test_run_tasks_rejects_bad_input(
+    tasks: list[SimTask], capacity: dict[Link, Fraction], contention: Fraction, fragment: str
+) -> None:
     with pytest.raises(ValueError, match=fragment):
         run_tasks(tasks, capacity=capacity, contention=contention)
 
 
 # -- one iteration of a small model -------------------------------------------------------------
 
-COSTS = CollectiveCosts(all_gather_intra_ms=3, all_gather_inter_ms=10, reduce_scatter_intra_ms=3,
-                        reduce_scatter_inter_ms=10, all_reduce_inter_ms=20)
-NOTHING = CollectiveCosts(all_gather_intra_ms=0, all_gather_inter_ms=0, reduce_scatter_intra_ms=0,
-                          reduce_scatter_inter_ms=0, all_reduce_inter_ms=0)
+COSTS = CollectiveCosts(
+    all_gather_intra_ms=3,
+    all_gather_inter_ms=10,
+    reduce_scatter_intra_ms=3,
+    reduce_scatter_inter_ms=10,
+    all_reduce_inter_ms=20,
+)
+NOTHING = CollectiveCosts(
+    all_gather_intra_ms=0,
+    all_gather_inter_ms=0,
+    reduce_scatter_intra_ms=0,
+    reduce_scatter_inter_ms=0,
+    all_reduce_inter_ms=0,
+)
 
 
-def small(backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-          forward_prefetch: bool = False) -> IterationModel:
+def small(
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE, forward_prefetch: bool = False
+) -> IterationModel:
     """A root without cost wrapping two units of forward 1 ms, backward 2 ms."""
     root = UnitCosts(name="root", forward_ms=0, backward_ms=0, collectives=NOTHING)
     units = tuple(UnitCosts(name=f"u{i}", forward_ms=1, backward_ms=2, collectives=COSTS) for i in (1, 2))
@@ -268,8 +282,9 @@ def test_hsdp_async_compute_slowdown_by_hand() -> None:
     assert at(t, Activity.ALL_REDUCE, 2) == (19, 39) and at(t, Activity.REDUCE_SCATTER, 1) == (19, 22)
     assert at(t, Activity.ALL_REDUCE, 1) == (39, 59) and t.iteration_ms == 59
     # Inter-node collectives only (FSDP): the intra-node factors change nothing.
-    assert simulate_iteration(small(), Schedule.FSDP, intra) == \
-        dataclasses.replace(simulate_iteration(small(), Schedule.FSDP), links=intra)
+    assert simulate_iteration(small(), Schedule.FSDP, intra) == dataclasses.replace(
+        simulate_iteration(small(), Schedule.FSDP), links=intra
+    )
     # Each collective by its own factor: only the all-reduce (inter-node, never beside compute
     # here) slowed: nothing moves.
     reduce = LinkModel(compute_slowdown=ComputeSlowdown(all_reduce_inter=3))
@@ -313,20 +328,34 @@ def test_forward_prefetch_issues_the_next_all_gather_before_the_forward() -> Non
 def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> None:
     for schedule in Schedule:
         t = simulate_iteration(seed_model(), schedule)
-        assert t == simulate_iteration(seed_model(), schedule) and hash(t) == hash(simulate_iteration(seed_model(), schedule))
+        assert t == simulate_iteration(seed_model(), schedule) and hash(t) == hash(
+            simulate_iteration(seed_model(), schedule)
+        )
         for stream in Stream:
             mine = t.on(stream)
-            assert all(a.end_ms <= b.start_ms for a, b in zip(mine, mine[1:]))
+            assert all(a.end_ms <= b.start_ms for a, b in itertools.pairwise(mine))
         assert t.iteration_ms == max(i.end_ms for i in t.intervals)
 
 
 @pytest.mark.parametrize(
     ("build", "error", "fragment"),
     [
-        (lambda: CollectiveCosts(all_gather_intra_ms=-1, all_gather_inter_ms=0, reduce_scatter_intra_ms=0,
-                                 reduce_scatter_inter_ms=0, all_reduce_inter_ms=0), ValueError, "all_gather_intra_ms"),
-        (lambda: UnitCosts(name="u", forward_ms=float("nan"), backward_ms=0, collectives=NOTHING), ValueError,
-         "forward_ms"),
+        (
+            lambda: CollectiveCosts(
+                all_gather_intra_ms=-1,
+                all_gather_inter_ms=0,
+                reduce_scatter_intra_ms=0,
+                reduce_scatter_inter_ms=0,
+                all_reduce_inter_ms=0,
+            ),
+            ValueError,
+            "all_gather_intra_ms",
+        ),
+        (
+            lambda: UnitCosts(name="u", forward_ms=float("nan"), backward_ms=0, collectives=NOTHING),
+            ValueError,
+            "forward_ms",
+        ),
         (lambda: UnitCosts(name="", forward_ms=0, backward_ms=0, collectives=NOTHING), ValueError, "name"),
         (lambda: IterationModel(units=()), TypeError, "units"),
         (lambda: IterationModel(units=(small().units[1], small().units[1])), ValueError, "unique"),
@@ -366,8 +395,12 @@ def test_all_four_seed_numbers_within_ten_percent_in_the_seed_order() -> None:
 
 def test_two_parameters_are_fitted_to_two_numbers_and_reproduce_them() -> None:
     fitted = {r.row.key: r.row.fitted for r in seed_calibration().results}
-    assert fitted == {"fsdp": None, "hsdp_sync": None, "hsdp_async": "encoder_forward_ms",
-                      "hsdp_async_cross_nic": "cross_nic_bandwidth_factor"}
+    assert fitted == {
+        "fsdp": None,
+        "hsdp_sync": None,
+        "hsdp_async": "encoder_forward_ms",
+        "hsdp_async_cross_nic": "cross_nic_bandwidth_factor",
+    }
     for r in seed_calibration().results:
         if r.row.fitted is not None:
             assert r.ratio == pytest.approx(1, abs=2e-4)
@@ -390,7 +423,7 @@ def test_no_two_collectives_share_a_link_in_the_seed_rows_so_contention_has_no_e
     for r in base.results:
         for link in Link:
             busy = sorted((i.start_ms, i.end_ms) for i in r.timeline.intervals if i.link is link and i.duration_ms > 0)
-            assert all(a[1] <= b[0] for a, b in zip(busy, busy[1:]))
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(busy))
     lossy = seed_calibration(dataclasses.replace(SEED_PARAMETERS, contention=3.0))
     assert [r.simulated_ms for r in lossy.results] == [r.simulated_ms for r in base.results]
 
@@ -434,16 +467,22 @@ def test_fit_affine_recovers_latency_and_bandwidth() -> None:
 def test_fit_affine_one_size_and_negative_latency_go_through_the_origin() -> None:
     one = fit_affine([sample(Collective.ALL_REDUCE, INTER, 1000, 2.0), sample(Collective.ALL_REDUCE, INTER, 1000, 4.0)])
     assert (one.latency_ms, one.ms_per_byte) == (0.0, 3.0 / 1000)
-    negative = fit_affine([sample(Collective.ALL_REDUCE, INTER, 1000, 1.0), sample(Collective.ALL_REDUCE, INTER, 2000, 3.0)])
+    negative = fit_affine(
+        [sample(Collective.ALL_REDUCE, INTER, 1000, 1.0), sample(Collective.ALL_REDUCE, INTER, 2000, 3.0)]
+    )
     assert negative.latency_ms == 0.0 and negative.ms_per_byte == pytest.approx(7.0 / 5000)
-    flat = fit_affine([sample(Collective.ALL_REDUCE, INTER, 1000, 3.0), sample(Collective.ALL_REDUCE, INTER, 2000, 1.0)])
+    flat = fit_affine(
+        [sample(Collective.ALL_REDUCE, INTER, 1000, 3.0), sample(Collective.ALL_REDUCE, INTER, 2000, 1.0)]
+    )
     assert (flat.latency_ms, flat.ms_per_byte) == (2.0, 0.0)
     with pytest.raises(ValueError, match="at least one"):
         fit_affine([])
 
 
 def test_fit_collectives_names_what_is_missing() -> None:
-    with pytest.raises(ValueError, match="reduce_scatter on intra_node, reduce_scatter on inter_node, all_reduce on inter_node"):
+    with pytest.raises(
+        ValueError, match="reduce_scatter on intra_node, reduce_scatter on inter_node, all_reduce on inter_node"
+    ):
         fit_collectives([sample(Collective.ALL_GATHER, INTRA, 10, 1.0), sample(Collective.ALL_GATHER, INTER, 10, 1.0)])
 
 
@@ -459,8 +498,10 @@ def emulated_cluster() -> Measurements:
             sample(Collective.ALL_REDUCE, INTER, n // 2, 2.0 + n / 5e4),
             sample(Collective.ALL_REDUCE, INTRA, n, 99.0),  # not needed: ignored
         ]
-    units = (MeasuredUnit(name="root", param_bytes=2_000_001, forward_ms=3.0, backward_ms=6.0),
-             *(MeasuredUnit(name=f"layer{i}", param_bytes=4_000_000, forward_ms=5.0, backward_ms=10.0) for i in range(2)))
+    units = (
+        MeasuredUnit(name="root", param_bytes=2_000_001, forward_ms=3.0, backward_ms=6.0),
+        *(MeasuredUnit(name=f"layer{i}", param_bytes=4_000_000, forward_ms=5.0, backward_ms=10.0) for i in range(2)),
+    )
     return Measurements(units=units, samples=tuple(samples), ranks_per_node=2)
 
 
@@ -477,8 +518,12 @@ def test_model_from_measurements_prices_each_unit_at_its_size() -> None:
     assert c.all_reduce_inter_ms == pytest.approx(2.0 + 80.0)
     # ceil(2_000_001 / 2) = 1_000_001 bytes.
     assert root.collectives.all_reduce_inter_ms == pytest.approx(2.0 + 1_000_001 / 2.5e4)
-    hand = IterationModel(units=tuple(UnitCosts(name=u.name, forward_ms=u.forward_ms, backward_ms=u.backward_ms,
-                                                collectives=u.collectives) for u in model.units))
+    hand = IterationModel(
+        units=tuple(
+            UnitCosts(name=u.name, forward_ms=u.forward_ms, backward_ms=u.backward_ms, collectives=u.collectives)
+            for u in model.units
+        )
+    )
     for schedule in Schedule:
         assert simulate_iteration(model, schedule) == simulate_iteration(hand, schedule)
     # On a 400 Mbit/s link the replicate all-reduces dominate: async overlaps them with backward.
@@ -523,8 +568,9 @@ def test_links_from_measurements_by_hand() -> None:
     two = SharingSample(link=INTRA, first_ms=2.0, second_ms=2.0, together_ms=3.0)
     links = links_from_measurements(dataclasses.replace(base, slowdowns=slowdowns, sharing=(one,)))
     assert links.cross_link_slowdown == pytest.approx(4 / 3)
-    assert links.compute_slowdown == ComputeSlowdown(all_gather_intra=4.0, reduce_scatter_intra=3.0,
-                                                     all_reduce_inter=1.5)
+    assert links.compute_slowdown == ComputeSlowdown(
+        all_gather_intra=4.0, reduce_scatter_intra=3.0, all_reduce_inter=1.5
+    )
     assert links.contention == pytest.approx(1.3) and links.one_collective_per_group
     assert (links.inter_node_bandwidth, links.intra_node_bandwidth) == (1.0, 1.0)
     both = links_from_measurements(dataclasses.replace(base, sharing=(one, two)), one_collective_per_group=False)
@@ -538,8 +584,13 @@ def test_slowdown_and_sharing_samples_validate() -> None:
     with pytest.raises(ValueError, match="loaded_ms"):
         slowed(Load.COMPUTE, Collective.ALL_GATHER, INTRA, 1.0, -1.0)
     with pytest.raises(TypeError, match="load"):
-        SlowdownSample(load="compute", collective=Collective.ALL_GATHER, link=INTRA,  # type: ignore[arg-type]
-                       alone_ms=1.0, loaded_ms=1.0)
+        SlowdownSample(
+            load="compute",  # type: ignore[arg-type]
+            collective=Collective.ALL_GATHER,
+            link=INTRA,
+            alone_ms=1.0,
+            loaded_ms=1.0,
+        )
     with pytest.raises(ValueError, match="together_ms"):
         SharingSample(link=INTER, first_ms=1.0, second_ms=1.0, together_ms=float("inf"))
     with pytest.raises(TypeError, match="slowdowns"):

@@ -68,12 +68,16 @@ def test_gpt2_and_llama_train_as_the_reference_hybrid_on_four_ranks() -> None:
         _check(outcomes)
 
 
-@pytest.mark.parametrize(("kind", "strategy", "save_world"), [
-    ("gpt2", ShardingStrategy.FULL_SHARD, 2),
-    ("llama", ShardingStrategy.HYBRID_SHARD, 4),
-])
+@pytest.mark.parametrize(
+    ("kind", "strategy", "save_world"),
+    [
+        ("gpt2", ShardingStrategy.FULL_SHARD, 2),
+        ("llama", ShardingStrategy.HYBRID_SHARD, 4),
+    ],
+)
 def test_sharded_checkpoint_saved_on_one_world_loads_on_others(
-        tmp_path: object, kind: str, strategy: ShardingStrategy, save_world: int) -> None:
+    tmp_path: object, kind: str, strategy: ShardingStrategy, save_world: int
+) -> None:
     save = SaveCase(kind=kind, strategy=strategy, path=str(tmp_path))
     saved = run_world(save_world, dcp_save, save, timeout=120)[0]
     for world in (1, 3):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from fsdp_core import (
-    HybridAllReduce,
     Accumulate,
     AllReduce,
     Buffer,
@@ -25,6 +24,7 @@ from fsdp_core import (
     GradViews,
     Group,
     HandOff,
+    HybridAllReduce,
     Input,
     InputRole,
     MixedPrecision,
@@ -109,7 +109,7 @@ def test_hybrid_shard_32_as_4_by_8_all_reduces_126_on_the_all_reduce_stream() ->
         HandOff(buffer=shard, destination=Destination.SHARDED_GRAD, stream=C),
     )
     assert check_plan(plan) == []
-    rs, ar = comm_volume(plan)
+    _rs, ar = comm_volume(plan)
     assert (ar.collective, ar.group, ar.group_size, ar.input_numel) == ("all_reduce", Group.REPLICATE, 4, 126)
     assert ar.bytes == 2 * 3 * 32 * 4  # ceil(126 / 4) = 32-element chunks
 
@@ -139,8 +139,9 @@ def test_sync_hybrid_all_reduce_follows_the_reduce_scatter_on_the_post_backward_
     same = [dataclasses.replace(v, op_index=0) for v in comm_volume(plan_post_backward(one_param(1001), sharding))]
     assert [dataclasses.replace(v, op_index=0) for v in comm_volume(plan)] == same
     with pytest.raises(ValueError, match="hybrid_all_reduce: only hybrid strategies"):
-        plan_post_backward(one_param(8), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 4),
-                           hybrid_all_reduce=HybridAllReduce.SYNC)
+        plan_post_backward(
+            one_param(8), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 4), hybrid_all_reduce=HybridAllReduce.SYNC
+        )
 
 
 def test_no_shard_is_one_all_reduce_without_padding() -> None:
@@ -173,8 +174,9 @@ def test_shard_grad_op_no_sync_keeps_the_unsharded_parameter_and_accumulates_loc
     assert comm_volume(plan) == ()
     assert check_plan(plan) == []
     assert (plan.consumed, plan.carried_out) == (frozenset({InputRole.PENDING_UNSHARDED}), InputRole.PENDING_UNSHARDED)
-    full = plan_post_backward(one_param(7), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2),
-                              flags=StepFlags(sync_gradients=False))
+    full = plan_post_backward(
+        one_param(7), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2), flags=StepFlags(sync_gradients=False)
+    )
     assert full.ops[0] == FreeUnshardedParam(stream=C)
 
 
@@ -278,8 +280,15 @@ def test_hybrid_with_a_comm_hook_then_replicate_all_reduce() -> None:
     sharding = ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD_ZERO2, 4, 2)
     plan = plan_post_backward(one_param(6), sharding, comm_hook=CommHook.FP16_COMPRESS)
     grad, shard = buf("grad", 6), buf("shard", 3)
-    hook = CommHookCall(hook=CommHook.FP16_COMPRESS, src=grad, dst=shard, group=Group.SHARD, divides_by=2,
-                        wire_dtype=torch.float16, stream=PB)
+    hook = CommHookCall(
+        hook=CommHook.FP16_COMPRESS,
+        src=grad,
+        dst=shard,
+        group=Group.SHARD,
+        divides_by=2,
+        wire_dtype=torch.float16,
+        stream=PB,
+    )
     assert plan.ops == (
         FreeUnshardedParam(stream=C),
         Input(buffer=grad, role=InputRole.GRAD, stream=C),
@@ -330,8 +339,9 @@ def test_in_collective_division_uses_avg_on_nccl() -> None:
     from fsdp_core import BackendCaps, Division, DivisionPolicy
 
     division = Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=BackendCaps.for_backend("nccl"))
-    plan = plan_post_backward(one_param(8), ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 8, 4),
-                              division=division)
+    plan = plan_post_backward(
+        one_param(8), ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 8, 4), division=division
+    )
     avg = ReduceOpSpec(kind=ReduceKind.AVG)
     assert not any(isinstance(op, Divide) for op in plan.ops)
     assert [op.reduce_op for op in plan.ops if isinstance(op, (ReduceScatter, AllReduce))] == [avg, avg]

@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from fsdp_core import (
-    HybridAllReduce,
     AllReduce,
     BackendCaps,
     CommHook,
@@ -35,6 +34,7 @@ from fsdp_core import (
     GradViews,
     Group,
     HandOff,
+    HybridAllReduce,
     InputRole,
     MixedPrecision,
     Pad,
@@ -136,7 +136,9 @@ mixed_precisions = st.builds(
     MixedPrecision, param_dtype=optional_dtypes, reduce_dtype=optional_dtypes, keep_low_precision_grads=st.booleans()
 )
 backends = st.builds(BackendCaps, supports_avg=st.booleans(), supports_premul_sum=st.booleans())
-user_factors = st.none() | st.integers(min_value=1, max_value=4096).map(float) | st.floats(min_value=1e-3, max_value=1e6)
+user_factors = (
+    st.none() | st.integers(min_value=1, max_value=4096).map(float) | st.floats(min_value=1e-3, max_value=1e6)
+)
 
 
 def weighted(true_in_20: int) -> st.SearchStrategy[bool]:
@@ -330,8 +332,8 @@ def test_shard_views_of_all_ranks_partition_every_parameter(layout: FlatParamLay
             param = layout.params[v.param_index]
             assert v.param_name == param.name
             assert v.numel > 0
-            assert 0 <= v.offset_in_buffer and v.offset_in_buffer + v.numel <= shard_numel
-            assert 0 <= v.offset_in_param and v.offset_in_param + v.numel <= param.numel
+            assert v.offset_in_buffer >= 0 and v.offset_in_buffer + v.numel <= shard_numel
+            assert v.offset_in_param >= 0 and v.offset_in_param + v.numel <= param.numel
             # the element's place in the flat parameter, seen from the shard and from the layout
             assert base + v.offset_in_buffer == layout.offsets[v.param_index] + v.offset_in_param
             pieces[v.param_index].append((v.offset_in_param, v.numel))
@@ -530,8 +532,12 @@ def test_carried_state_threads_through_any_sequence_of_backwards(sequence: tuple
     base, steps = sequence
     carried: frozenset[InputRole] = frozenset()
     for step in steps:
-        flags = step_flags(carried, sync_gradients=step != "no_sync", requires_all_reduce=step != "defer",
-                           force_full_precision=base.flags.force_full_precision)
+        flags = step_flags(
+            carried,
+            sync_gradients=step != "no_sync",
+            requires_all_reduce=step != "defer",
+            force_full_precision=base.flags.force_full_precision,
+        )
         assert declared(flags) == carried
         plan = build_plan(dataclasses.replace(base, flags=flags))
         found = check_plan(plan)
@@ -675,7 +681,10 @@ def test_hybrid_comm_hook_with_premul_only_backend_divides_fully() -> None:
     layout = FlatParamLayout.of([("w", (4,))], torch.float32)
     division = Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=BackendCaps(supports_premul_sum=True))
     plan = plan_post_backward(
-        layout, ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 4, 2), comm_hook=CommHook.ALLREDUCE, division=division
+        layout,
+        ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 4, 2),
+        comm_hook=CommHook.ALLREDUCE,
+        division=division,
     )
     assert math.isclose(applied_division(plan), 4.0)
     assert check_plan(plan) == []

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from fsdp_core import Group
@@ -19,16 +21,18 @@ from fsdp_shell.runtime.log import Phase
 from tests.dist_harness import run_world
 from tests.runtime_cases import (
     MEASURED_STEPS,
-    Prefetched,
-    prefetch_cases,
     Lifetimes,
     OpCounts,
+    OperandFree,
     Ordered,
     Overlap,
+    Prefetched,
     collective_order,
     grad_lifetimes,
     hybrid_overlap,
     op_counts,
+    operand_free_gathers,
+    prefetch_cases,
 )
 
 
@@ -56,8 +60,17 @@ def lifetimes() -> dict[str, Lifetimes]:
     return run_world(2, grad_lifetimes, None, timeout=300)[0]
 
 
-@pytest.mark.parametrize("case", ["FULL_SHARD-origFalse", "FULL_SHARD-origTrue", "SHARD_GRAD_OP-origFalse",
-                                  "SHARD_GRAD_OP-origTrue", "NO_SHARD-origFalse", "NO_SHARD-origTrue"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "FULL_SHARD-origFalse",
+        "FULL_SHARD-origTrue",
+        "SHARD_GRAD_OP-origFalse",
+        "SHARD_GRAD_OP-origTrue",
+        "NO_SHARD-origFalse",
+        "NO_SHARD-origTrue",
+    ],
+)
 def test_unsharded_gradients_are_released_once_reduced(lifetimes: dict[str, Lifetimes], case: str) -> None:
     seen = lifetimes[case]
     assert seen.checked == 3 * 5
@@ -80,8 +93,14 @@ def ordered() -> list[Ordered]:
     return run_world(4, collective_order, None, timeout=300)
 
 
-CASES = ["HYBRID_SHARD-origFalse", "HYBRID_SHARD-origTrue", "FULL_SHARD-origFalse", "FULL_SHARD-origTrue",
-         "HYBRID_SHARD-origFalse-sync", "HYBRID_SHARD-origTrue-sync"]
+CASES = [
+    "HYBRID_SHARD-origFalse",
+    "HYBRID_SHARD-origTrue",
+    "FULL_SHARD-origFalse",
+    "FULL_SHARD-origTrue",
+    "HYBRID_SHARD-origFalse-sync",
+    "HYBRID_SHARD-origTrue-sync",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -149,7 +168,8 @@ PREFETCH = [f"{b}-forward{f}" for b in ("BACKWARD_PRE", "BACKWARD_POST", None) f
 
 @pytest.mark.parametrize("case", PREFETCH)
 def test_prefetch_trains_like_the_reference_with_at_most_two_units_gathered(
-        prefetched: list[dict[str, Prefetched]], case: str) -> None:
+    prefetched: list[dict[str, Prefetched]], case: str
+) -> None:
     for rank, per_rank in enumerate(prefetched):
         seen = per_rank[case]
         assert seen.ref_diff < 1e-5, f"rank {rank}: {seen.ref_diff}"
@@ -158,12 +178,13 @@ def test_prefetch_trains_like_the_reference_with_at_most_two_units_gathered(
 
 
 def _pairs(ops: list[tuple[str, Phase]]) -> list[tuple[str, str]]:
-    return [(a[0], b[0]) for a, b in zip(ops, ops[1:])]
+    return [(a[0], b[0]) for a, b in itertools.pairwise(ops)]
 
 
 @pytest.mark.parametrize("forward", [False, True])
 def test_backward_prefetch_issues_the_next_all_gather_where_asked(
-        prefetched: list[dict[str, Prefetched]], forward: bool) -> None:
+    prefetched: list[dict[str, Prefetched]], forward: bool
+) -> None:
     """BACKWARD_PRE: the next unit's all-gather goes out before this unit's reduce-scatter;
     BACKWARD_POST: right after it, from the post-backward hook; None: only on demand."""
     pre = prefetched[0][f"BACKWARD_PRE-forward{forward}"].backward_ops
@@ -175,3 +196,14 @@ def test_backward_prefetch_issues_the_next_all_gather_where_asked(
     assert _pairs(pre)[:2] == [("all_gather", "all_gather"), ("all_gather", "reduce_scatter")]
     assert sum(op == ("all_gather", Phase.POST_BACKWARD) for op in post) == 4
     assert sum(op[0] == "all_gather" for op in pre) == sum(op[0] == "all_gather" for op in post) == 5
+
+
+def test_a_gather_whose_pending_holds_no_operands_lands() -> None:
+    """The CUDA runtime's sharded all-gather used to hand its waiter no operands and fail the
+    waiter's ``assert``; a ``Pending`` without operands waits like any other."""
+    results: list[OperandFree] = run_world(2, operand_free_gathers, None, timeout=300)
+    for seen in results:
+        assert seen.gathered == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+        assert seen.stripped > 0
+        assert seen.diff_from_held == 0.0
+        assert seen.ref_diff < 1e-3, seen.ref_diff

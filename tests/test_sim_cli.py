@@ -80,8 +80,13 @@ def test_unwritable_trace_directory_exits_2_with_one_line(capsys: pytest.Capture
 
 
 def test_console_script_runs_as_a_process() -> None:
-    done = subprocess.run([sys.executable, "-m", "fsdp_shell.cli.sim", "--no-timeline"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_shell.cli.sim", "--no-timeline"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("PyTorch PR 106080")
 

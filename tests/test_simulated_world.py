@@ -9,8 +9,8 @@ the planner, the layout or the division code under test.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from fsdp_core import (
-    HybridAllReduce,
     AllReduce,
     BackendCaps,
     CommHook,
@@ -33,6 +32,7 @@ from fsdp_core import (
     FlatParamLayout,
     Free,
     Group,
+    HybridAllReduce,
     Input,
     MixedPrecision,
     Op,
@@ -87,16 +87,24 @@ HYBRID = (SS.HYBRID_SHARD, SS.HYBRID_SHARD_ZERO2)
 ALL_MESHES = [Mesh(s, w) for s in FLAT_STRATEGIES for w in (1, 2, 3, 4, 8)] + [
     Mesh(s, shard, rep) for s in HYBRID for shard, rep in ((2, 2), (2, 3), (4, 2), (4, 1), (1, 3))
 ]
-ONE_OF_EACH = [Mesh(SS.NO_SHARD, 3), Mesh(SS.FULL_SHARD, 4), Mesh(SS.SHARD_GRAD_OP, 3),
-               Mesh(SS.HYBRID_SHARD, 2, 3), Mesh(SS.HYBRID_SHARD_ZERO2, 4, 2)]
+ONE_OF_EACH = [
+    Mesh(SS.NO_SHARD, 3),
+    Mesh(SS.FULL_SHARD, 4),
+    Mesh(SS.SHARD_GRAD_OP, 3),
+    Mesh(SS.HYBRID_SHARD, 2, 3),
+    Mesh(SS.HYBRID_SHARD_ZERO2, 4, 2),
+]
 HYBRID_MESHES = [Mesh(s, shard, rep) for s in HYBRID for shard, rep in ((2, 2), (2, 3), (4, 2), (1, 3))]
 
 FSDP1_PREDIVIDE = {1: 1, 2: 2, 3: 2, 4: 2, 6: 4, 8: 4}
 """FSDP1's ``_get_gradient_predivide_factor`` by world size, worked out by hand."""
 
 FREED_INSIDE_NO_SYNC = {
-    SS.NO_SHARD: False, SS.FULL_SHARD: True, SS.SHARD_GRAD_OP: False,
-    SS.HYBRID_SHARD: True, SS.HYBRID_SHARD_ZERO2: False,
+    SS.NO_SHARD: False,
+    SS.FULL_SHARD: True,
+    SS.SHARD_GRAD_OP: False,
+    SS.HYBRID_SHARD: True,
+    SS.HYBRID_SHARD_ZERO2: False,
 }
 """FSDP1's ``_should_free_in_backward`` inside ``no_sync``: ZeRO-2 strategies keep the parameter."""
 
@@ -308,9 +316,7 @@ MP_CASES = [
 
 @pytest.mark.parametrize("case", MP_CASES, ids=str)
 @pytest.mark.parametrize("mesh", ONE_OF_EACH, ids=str)
-def test_mixed_precision_reduces_in_the_reduce_dtype_and_hands_off_the_param_dtype(
-    mesh: Mesh, case: MPCase
-) -> None:
+def test_mixed_precision_reduces_in_the_reduce_dtype_and_hands_off_the_param_dtype(mesh: Mesh, case: MPCase) -> None:
     grads = make_grads(mesh.world, ALIGNED.total, case.compute, seed=2)
     result = run(request_for(mesh, ALIGNED, mixed_precision=case.mp), grads)
     assert_averaged(result, mesh, mean_over_world(grads), precision=case.precision, dtype=case.handed)
@@ -334,8 +340,9 @@ def test_cpu_offload_hands_off_on_the_host(mesh: Mesh, accumulate: bool) -> None
     existing = make_grads(mesh.world, shard_numel(mesh, BIG.total), F32, seed=5) if accumulate else None
     request = request_for(mesh, BIG, offload=CPUOffload(offload_params=True), flags=StepFlags(accumulate=accumulate))
     result = run(request, grads, sharded_grads=existing)
-    assert_averaged(result, mesh, mean_over_world(grads), destination=Destination.CPU_GRAD,
-                    device=Device.HOST, existing=existing)
+    assert_averaged(
+        result, mesh, mean_over_world(grads), destination=Destination.CPU_GRAD, device=Device.HOST, existing=existing
+    )
 
 
 @pytest.mark.parametrize("mesh", ONE_OF_EACH, ids=str)
@@ -355,20 +362,31 @@ def test_accumulate_adds_into_the_existing_sharded_grad(mesh: Mesh, keep: bool) 
     existing = make_grads(mesh.world, shard_numel(mesh, ALIGNED.total), compute, seed=8)
     request = request_for(mesh, ALIGNED, mixed_precision=mp, flags=StepFlags(accumulate=True))
     result = run(request, grads, sharded_grads=existing)
-    assert_averaged(result, mesh, mean_over_world(grads), precision=precision, dtype=compute,
-                    destination=Destination.ACCUMULATED_GRAD, existing=existing)
+    assert_averaged(
+        result,
+        mesh,
+        mean_over_world(grads),
+        precision=precision,
+        dtype=compute,
+        destination=Destination.ACCUMULATED_GRAD,
+        existing=existing,
+    )
 
 
 # -- use_orig_params ---------------------------------------------------------------------------
 
 
-def assert_views_rebuild_the_params(result: WorldResult, mesh: Mesh, case: LayoutCase, full: Tensor,
-                                    precision: torch.dtype) -> None:
+def assert_views_rebuild_the_params(
+    result: WorldResult, mesh: Mesh, case: LayoutCase, full: Tensor, precision: torch.dtype
+) -> None:
     """Each rank's views are views of its handed-off tensor; within every shard group (every
     rank, for ``NO_SHARD``) they tile each original parameter, whose concatenation in rank order
     is that parameter's slice of the averaged flat gradient."""
-    covers = ([[g] for g in range(mesh.world)] if not mesh.sharded else
-              [list(range(r * mesh.shard, (r + 1) * mesh.shard)) for r in range(mesh.replicate)])
+    covers = (
+        [[g] for g in range(mesh.world)]
+        if not mesh.sharded
+        else [list(range(r * mesh.shard, (r + 1) * mesh.shard)) for r in range(mesh.replicate)]
+    )
     for ranks in covers:
         for name, (start, end) in case.param_slices().items():
             pieces = [v for g in ranks for v in result.ranks[g].views if v.param_name == name]
@@ -388,17 +406,23 @@ def assert_views_rebuild_the_params(result: WorldResult, mesh: Mesh, case: Layou
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 @pytest.mark.parametrize("case", [ALIGNED, ALIGNED_BF16], ids=str)
-@pytest.mark.parametrize("mesh", ONE_OF_EACH + [Mesh(SS.FULL_SHARD, 8), Mesh(SS.HYBRID_SHARD, 4, 2)], ids=str)
+@pytest.mark.parametrize("mesh", [*ONE_OF_EACH, Mesh(SS.FULL_SHARD, 8), Mesh(SS.HYBRID_SHARD, 4, 2)], ids=str)
 def test_use_orig_params_views_rebuild_each_parameter(mesh: Mesh, case: LayoutCase, offload: bool) -> None:
     mp = MixedPrecision(param_dtype=BF16, reduce_dtype=F32) if case.align_dtype is BF16 else MixedPrecision()
     compute = BF16 if case.align_dtype is BF16 else F32
     grads = make_grads(mesh.world, case.total, compute, seed=9)
-    request = request_for(mesh, case, use_orig_params=True, mixed_precision=mp,
-                          offload=CPUOffload(offload_params=offload))
+    request = request_for(
+        mesh, case, use_orig_params=True, mixed_precision=mp, offload=CPUOffload(offload_params=offload)
+    )
     result = run(request, grads)
     full = mean_over_world(grads)
-    assert_averaged(result, mesh, full, destination=Destination.CPU_GRAD if offload else Destination.SHARDED_GRAD,
-                    device=Device.HOST if offload else Device.DEVICE)
+    assert_averaged(
+        result,
+        mesh,
+        full,
+        destination=Destination.CPU_GRAD if offload else Destination.SHARDED_GRAD,
+        device=Device.HOST if offload else Device.DEVICE,
+    )
     assert_views_rebuild_the_params(result, mesh, case, full, F32)
 
 
@@ -410,7 +434,9 @@ def collectives(ops: Sequence[Op]) -> list[Op]:
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
-@pytest.mark.parametrize("mp", [MixedPrecision(), MixedPrecision(param_dtype=BF16, reduce_dtype=F32)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "mp", [MixedPrecision(), MixedPrecision(param_dtype=BF16, reduce_dtype=F32)], ids=["fp32", "bf16"]
+)
 @pytest.mark.parametrize("mesh", ONE_OF_EACH, ids=str)
 def test_no_sync_accumulates_locally_then_the_sync_step_reduces_the_sum(
     mesh: Mesh, mp: MixedPrecision, use_orig_params: bool
@@ -418,8 +444,9 @@ def test_no_sync_accumulates_locally_then_the_sync_step_reduces_the_sum(
     compute = mp.param_dtype or F32
     case = ALIGNED
     a, b, c = (make_grads(mesh.world, case.total, compute, seed=s) for s in (11, 12, 13))
-    no_sync = request_for(mesh, case, mixed_precision=mp, use_orig_params=use_orig_params,
-                          flags=StepFlags(sync_gradients=False))
+    no_sync = request_for(
+        mesh, case, mixed_precision=mp, use_orig_params=use_orig_params, flags=StepFlags(sync_gradients=False)
+    )
 
     first = run(no_sync, a)
     for g, r in enumerate(first.ranks):
@@ -436,8 +463,11 @@ def test_no_sync_accumulates_locally_then_the_sync_step_reduces_the_sum(
         else:
             assert r.views == ()
 
-    second = run(replace(no_sync, flags=StepFlags(sync_gradients=False, pending_unsharded=True)), b,
-                 pending_unsharded=first.grads)
+    second = run(
+        replace(no_sync, flags=StepFlags(sync_gradients=False, pending_unsharded=True)),
+        b,
+        pending_unsharded=first.grads,
+    )
     for g, r in enumerate(second.ranks):
         assert r.destination is Destination.UNSHARDED_GRAD
         assert_values(r.grad if r.grad is not None else torch.empty(0), summed(a, b)[g], compute)
@@ -478,17 +508,29 @@ class DeferCase:
 DEFER_CASES = [
     DeferCase("fsdp1-division"),
     DeferCase("nccl-avg", division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL), check_partial=False),
-    DeferCase("nccl-factor", division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=5.0),
-              final_divisor=5.0, check_partial=False),
-    DeferCase("gloo-factor", division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO, factor=2.5),
-              final_divisor=2.5, check_partial=False),
+    DeferCase(
+        "nccl-factor",
+        division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=5.0),
+        final_divisor=5.0,
+        check_partial=False,
+    ),
+    DeferCase(
+        "gloo-factor",
+        division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO, factor=2.5),
+        final_divisor=2.5,
+        check_partial=False,
+    ),
     DeferCase("hook-reduce-scatter", hook=CommHook.REDUCE_SCATTER),
     DeferCase("hook-allreduce", hook=CommHook.ALLREDUCE),
     DeferCase("hook-user", hook=CommHook.USER),
-    DeferCase("hook-user-nccl", hook=CommHook.USER,
-              division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL)),
-    DeferCase("hook-allreduce-gloo", hook=CommHook.ALLREDUCE,
-              division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO)),
+    DeferCase(
+        "hook-user-nccl", hook=CommHook.USER, division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL)
+    ),
+    DeferCase(
+        "hook-allreduce-gloo",
+        hook=CommHook.ALLREDUCE,
+        division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO),
+    ),
     DeferCase("hook-fp16-compress", hook=CommHook.FP16_COMPRESS, precision=F16),
 ]
 
@@ -500,8 +542,9 @@ def test_deferred_all_reduce_keeps_a_partial_then_reduces_every_microbatch(mesh:
     base = request_for(mesh, BIG, comm_hook=case.hook, division=case.division)
 
     first = run(replace(base, flags=StepFlags(requires_all_reduce=False)), a)
-    second = run(replace(base, flags=StepFlags(requires_all_reduce=False, pending_partial=True)), b,
-                 partials=first.grads)
+    second = run(
+        replace(base, flags=StepFlags(requires_all_reduce=False, pending_partial=True)), b, partials=first.grads
+    )
     for step, result, grads in ((1, first, summed(a)), (2, second, summed(a, b))):
         for g, r in enumerate(result.ranks):
             assert r.destination is Destination.PARTIAL and r.grad is not None, f"step {step}"
@@ -520,20 +563,38 @@ def test_deferred_all_reduce_then_accumulate_into_an_existing_grad(mesh: Mesh) -
     a, b = (make_grads(mesh.world, SEVEN.total, F32, seed=s) for s in (17, 18))
     existing = make_grads(mesh.world, shard_numel(mesh, SEVEN.total), F32, seed=19)
     first = run(request_for(mesh, flags=StepFlags(requires_all_reduce=False, accumulate=True)), a)
-    final = run(request_for(mesh, flags=StepFlags(pending_partial=True, accumulate=True)), b,
-                partials=first.grads, sharded_grads=existing)
-    assert_averaged(final, mesh, mean_over_world(summed(a, b)), destination=Destination.ACCUMULATED_GRAD,
-                    existing=existing)
+    final = run(
+        request_for(mesh, flags=StepFlags(pending_partial=True, accumulate=True)),
+        b,
+        partials=first.grads,
+        sharded_grads=existing,
+    )
+    assert_averaged(
+        final, mesh, mean_over_world(summed(a, b)), destination=Destination.ACCUMULATED_GRAD, existing=existing
+    )
 
 
 # -- communication hooks -----------------------------------------------------------------------
 
 
-HOOK_PRECISION = {CommHook.ALLREDUCE: F32, CommHook.REDUCE_SCATTER: F32, CommHook.USER: F32,
-                  CommHook.FP16_COMPRESS: F16, CommHook.BF16_COMPRESS: BF16}
-HOOK_MESHES = [Mesh(SS.NO_SHARD, 1), Mesh(SS.NO_SHARD, 3), Mesh(SS.NO_SHARD, 4), Mesh(SS.FULL_SHARD, 3),
-               Mesh(SS.FULL_SHARD, 8), Mesh(SS.SHARD_GRAD_OP, 4), Mesh(SS.HYBRID_SHARD, 2, 3),
-               Mesh(SS.HYBRID_SHARD, 1, 3), Mesh(SS.HYBRID_SHARD_ZERO2, 4, 2)]
+HOOK_PRECISION = {
+    CommHook.ALLREDUCE: F32,
+    CommHook.REDUCE_SCATTER: F32,
+    CommHook.USER: F32,
+    CommHook.FP16_COMPRESS: F16,
+    CommHook.BF16_COMPRESS: BF16,
+}
+HOOK_MESHES = [
+    Mesh(SS.NO_SHARD, 1),
+    Mesh(SS.NO_SHARD, 3),
+    Mesh(SS.NO_SHARD, 4),
+    Mesh(SS.FULL_SHARD, 3),
+    Mesh(SS.FULL_SHARD, 8),
+    Mesh(SS.SHARD_GRAD_OP, 4),
+    Mesh(SS.HYBRID_SHARD, 2, 3),
+    Mesh(SS.HYBRID_SHARD, 1, 3),
+    Mesh(SS.HYBRID_SHARD_ZERO2, 4, 2),
+]
 
 
 @pytest.mark.parametrize(
@@ -590,19 +651,29 @@ DIVISION_CASES = [
     DivisionCase("pre-post-factor-6", Division(factor=6.0)),
     DivisionCase("pre-post-factor-2.5", Division(factor=2.5)),
     DivisionCase("pre-post-factor-0.5", Division(factor=0.5)),
-    DivisionCase("nccl-fp16", Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL),
-                 MixedPrecision(param_dtype=F16), F16),
-    DivisionCase("nccl-bf16", Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL),
-                 MixedPrecision(param_dtype=BF16), BF16),
-    DivisionCase("nccl-bf16-factor-3", Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=3.0),
-                 MixedPrecision(reduce_dtype=BF16), BF16),
-    DivisionCase("gloo-fp16-factor-3", Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO, factor=3.0),
-                 MixedPrecision(reduce_dtype=F16), F16),
+    DivisionCase(
+        "nccl-fp16", Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL), MixedPrecision(param_dtype=F16), F16
+    ),
+    DivisionCase(
+        "nccl-bf16", Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL), MixedPrecision(param_dtype=BF16), BF16
+    ),
+    DivisionCase(
+        "nccl-bf16-factor-3",
+        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=3.0),
+        MixedPrecision(reduce_dtype=BF16),
+        BF16,
+    ),
+    DivisionCase(
+        "gloo-fp16-factor-3",
+        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO, factor=3.0),
+        MixedPrecision(reduce_dtype=F16),
+        F16,
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", DIVISION_CASES, ids=str)
-@pytest.mark.parametrize("mesh", ONE_OF_EACH + [Mesh(SS.FULL_SHARD, 1), Mesh(SS.HYBRID_SHARD, 4, 2)], ids=str)
+@pytest.mark.parametrize("mesh", [*ONE_OF_EACH, Mesh(SS.FULL_SHARD, 1), Mesh(SS.HYBRID_SHARD, 4, 2)], ids=str)
 def test_division_policies_divide_the_sum_by_the_world_or_the_factor(mesh: Mesh, case: DivisionCase) -> None:
     compute = case.mp.param_dtype or F32
     grads = make_grads(mesh.world, BIG.total, compute, seed=22)
@@ -617,7 +688,8 @@ def test_in_collective_division_on_nccl_averages_inside_the_collectives() -> Non
     ops = result.ranks[0].executed
     assert not any(isinstance(op, Divide) for op in ops)
     assert [op.reduce_op.kind for op in collectives(ops) if isinstance(op, (ReduceScatter, AllReduce))] == [
-        ReduceKind.AVG, ReduceKind.AVG,
+        ReduceKind.AVG,
+        ReduceKind.AVG,
     ]
 
 
@@ -639,23 +711,27 @@ def lowest_precision(dtypes: set[torch.dtype]) -> torch.dtype:
     replicate=st.integers(1, 3),
     sizes=st.lists(st.integers(0, 9), min_size=1, max_size=3).filter(lambda s: sum(s) > 0),
     orig=st.sampled_from([F32, F64, BF16]),
-    mp=st.sampled_from([
-        MixedPrecision(),
-        MixedPrecision(param_dtype=BF16, reduce_dtype=F32),
-        MixedPrecision(param_dtype=F16),
-        MixedPrecision(param_dtype=F16, reduce_dtype=BF16),
-        MixedPrecision(reduce_dtype=BF16, keep_low_precision_grads=True),
-        MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True),
-        MixedPrecision(param_dtype=BF16, reduce_dtype=F16, keep_low_precision_grads=True),
-    ]),
+    mp=st.sampled_from(
+        [
+            MixedPrecision(),
+            MixedPrecision(param_dtype=BF16, reduce_dtype=F32),
+            MixedPrecision(param_dtype=F16),
+            MixedPrecision(param_dtype=F16, reduce_dtype=BF16),
+            MixedPrecision(reduce_dtype=BF16, keep_low_precision_grads=True),
+            MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True),
+            MixedPrecision(param_dtype=BF16, reduce_dtype=F16, keep_low_precision_grads=True),
+        ]
+    ),
     hook=st.sampled_from(list(CommHook)),
-    division=st.sampled_from([
-        Division(),
-        Division(factor=3.0),
-        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL),
-        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=7.0),
-        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO),
-    ]),
+    division=st.sampled_from(
+        [
+            Division(),
+            Division(factor=3.0),
+            Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL),
+            Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=7.0),
+            Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO),
+        ]
+    ),
     offload=st.booleans(),
     use_orig_params=st.booleans(),
     accumulate=st.booleans(),
@@ -664,9 +740,20 @@ def lowest_precision(dtypes: set[torch.dtype]) -> torch.dtype:
     seed=st.integers(0, 2**16),
 )
 def test_any_configuration_averages(
-    strategy: ShardingStrategy, shard: int, replicate: int, sizes: list[int], orig: torch.dtype,
-    mp: MixedPrecision, hook: CommHook, division: Division, offload: bool, use_orig_params: bool, accumulate: bool,
-    pending: bool, force_full_precision: bool, seed: int,
+    strategy: ShardingStrategy,
+    shard: int,
+    replicate: int,
+    sizes: list[int],
+    orig: torch.dtype,
+    mp: MixedPrecision,
+    hook: CommHook,
+    division: Division,
+    offload: bool,
+    use_orig_params: bool,
+    accumulate: bool,
+    pending: bool,
+    force_full_precision: bool,
+    seed: int,
 ) -> None:
     mesh = Mesh(strategy, shard, replicate if strategy in HYBRID else 1)
     compute = orig if force_full_precision or mp.param_dtype is None else mp.param_dtype
@@ -689,10 +776,16 @@ def test_any_configuration_averages(
     layout = FlatParamLayout.of(params, orig, align=use_orig_params, align_dtype=compute)
     try:
         request = PlanRequest(
-            layout=layout, sharding=mesh.spec(), mixed_precision=mp, offload=CPUOffload(offload_params=offload),
-            comm_hook=hook, division=division, use_orig_params=use_orig_params,
-            flags=StepFlags(accumulate=accumulate, pending_unsharded=pending,
-                            force_full_precision=force_full_precision),
+            layout=layout,
+            sharding=mesh.spec(),
+            mixed_precision=mp,
+            offload=CPUOffload(offload_params=offload),
+            comm_hook=hook,
+            division=division,
+            use_orig_params=use_orig_params,
+            flags=StepFlags(
+                accumulate=accumulate, pending_unsharded=pending, force_full_precision=force_full_precision
+            ),
         )
     except ValueError:
         assume(False)
@@ -702,12 +795,21 @@ def test_any_configuration_averages(
     result = run(request, grads, pending_unsharded=pending_grads, sharded_grads=existing)
 
     precision = lowest_precision({compute, reduce, wire, handed})
-    destination = (Destination.CPU_GRAD if offload else
-                   Destination.ACCUMULATED_GRAD if accumulate else Destination.SHARDED_GRAD)
+    destination = (
+        Destination.CPU_GRAD if offload else Destination.ACCUMULATED_GRAD if accumulate else Destination.SHARDED_GRAD
+    )
     summed_grads = summed(grads, pending_grads) if pending_grads is not None else grads
     full = mean_over_world(summed_grads, division.factor)
-    assert_averaged(result, mesh, full, precision=precision, dtype=handed, destination=destination,
-                    device=Device.HOST if offload else Device.DEVICE, existing=existing)
+    assert_averaged(
+        result,
+        mesh,
+        full,
+        precision=precision,
+        dtype=handed,
+        destination=destination,
+        device=Device.HOST if offload else Device.DEVICE,
+        existing=existing,
+    )
     assert [c.hook for r in result.ranks for c in r.hook_calls] == (
         [] if hook is CommHook.NONE else [hook] * mesh.world
     )
@@ -722,19 +824,23 @@ def test_any_configuration_averages(
     shard=st.integers(1, 4),
     replicate=st.integers(1, 3),
     numel=st.integers(1, 20),
-    mp=st.sampled_from([
-        MixedPrecision(),
-        MixedPrecision(param_dtype=BF16, reduce_dtype=F32),
-        MixedPrecision(param_dtype=F16, keep_low_precision_grads=True),
-    ]),
+    mp=st.sampled_from(
+        [
+            MixedPrecision(),
+            MixedPrecision(param_dtype=BF16, reduce_dtype=F32),
+            MixedPrecision(param_dtype=F16, keep_low_precision_grads=True),
+        ]
+    ),
     hook=st.sampled_from([CommHook.NONE, CommHook.ALLREDUCE, CommHook.USER, CommHook.BF16_COMPRESS]),
-    division=st.sampled_from([
-        Division(),
-        Division(factor=3.0),
-        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL),
-        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=7.0),
-        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO),
-    ]),
+    division=st.sampled_from(
+        [
+            Division(),
+            Division(factor=3.0),
+            Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL),
+            Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=7.0),
+            Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO),
+        ]
+    ),
     offload=st.booleans(),
     accumulate=st.booleans(),
     no_sync_steps=st.integers(0, 2),
@@ -742,8 +848,18 @@ def test_any_configuration_averages(
     seed=st.integers(0, 2**16),
 )
 def test_any_sequence_of_microbatches_averages_their_sum(
-    strategy: ShardingStrategy, shard: int, replicate: int, numel: int, mp: MixedPrecision, hook: CommHook,
-    division: Division, offload: bool, accumulate: bool, no_sync_steps: int, deferred_steps: int, seed: int,
+    strategy: ShardingStrategy,
+    shard: int,
+    replicate: int,
+    numel: int,
+    mp: MixedPrecision,
+    hook: CommHook,
+    division: Division,
+    offload: bool,
+    accumulate: bool,
+    no_sync_steps: int,
+    deferred_steps: int,
+    seed: int,
 ) -> None:
     """``no_sync_steps`` backwards inside ``no_sync``, then (hybrid only) ``deferred_steps`` backwards
     keeping a partial, then one that reduces everything, optionally into an existing gradient."""
@@ -756,32 +872,60 @@ def test_any_sequence_of_microbatches_averages_their_sum(
     wire = BF16 if hook is CommHook.BF16_COMPRESS else reduce
     layout = FlatParamLayout.of((("w", (numel,)),), F32)
     try:
-        base = PlanRequest(layout=layout, sharding=mesh.spec(), mixed_precision=mp,
-                           offload=CPUOffload(offload_params=offload), comm_hook=hook, division=division)
+        base = PlanRequest(
+            layout=layout,
+            sharding=mesh.spec(),
+            mixed_precision=mp,
+            offload=CPUOffload(offload_params=offload),
+            comm_hook=hook,
+            division=division,
+        )
     except ValueError:
         assume(False)
     steps = [StepFlags(sync_gradients=False, pending_unsharded=i > 0) for i in range(no_sync_steps)]
-    steps += [StepFlags(requires_all_reduce=False, pending_unsharded=i == 0 and no_sync_steps > 0,
-                        pending_partial=i > 0) for i in range(deferred_steps)]
-    steps.append(StepFlags(accumulate=accumulate, pending_unsharded=no_sync_steps > 0 and deferred_steps == 0,
-                           pending_partial=deferred_steps > 0))
+    steps += [
+        StepFlags(requires_all_reduce=False, pending_unsharded=i == 0 and no_sync_steps > 0, pending_partial=i > 0)
+        for i in range(deferred_steps)
+    ]
+    steps.append(
+        StepFlags(
+            accumulate=accumulate,
+            pending_unsharded=no_sync_steps > 0 and deferred_steps == 0,
+            pending_partial=deferred_steps > 0,
+        )
+    )
     all_grads = [make_grads(mesh.world, numel, compute, seed=seed + i) for i in range(len(steps))]
     existing = make_grads(mesh.world, shard_numel(mesh, numel), handed, seed=seed - 1) if accumulate else None
     carried: Sequence[Tensor] | None = None
     for flags, grads in zip(steps[:-1], all_grads):
-        result = run(replace(base, flags=flags), grads,
-                     pending_unsharded=carried if flags.pending_unsharded else None,
-                     partials=carried if flags.pending_partial else None)
+        result = run(
+            replace(base, flags=flags),
+            grads,
+            pending_unsharded=carried if flags.pending_unsharded else None,
+            partials=carried if flags.pending_partial else None,
+        )
         carried = result.grads
     final = steps[-1]
-    result = run(replace(base, flags=final), all_grads[-1],
-                 pending_unsharded=carried if final.pending_unsharded else None,
-                 partials=carried if final.pending_partial else None, sharded_grads=existing)
-    destination = (Destination.CPU_GRAD if offload else
-                   Destination.ACCUMULATED_GRAD if accumulate else Destination.SHARDED_GRAD)
-    assert_averaged(result, mesh, mean_over_world(summed(*all_grads), division.factor),
-                    precision=lowest_precision({compute, reduce, wire, handed}), dtype=handed,
-                    destination=destination, device=Device.HOST if offload else Device.DEVICE, existing=existing)
+    result = run(
+        replace(base, flags=final),
+        all_grads[-1],
+        pending_unsharded=carried if final.pending_unsharded else None,
+        partials=carried if final.pending_partial else None,
+        sharded_grads=existing,
+    )
+    destination = (
+        Destination.CPU_GRAD if offload else Destination.ACCUMULATED_GRAD if accumulate else Destination.SHARDED_GRAD
+    )
+    assert_averaged(
+        result,
+        mesh,
+        mean_over_world(summed(*all_grads), division.factor),
+        precision=lowest_precision({compute, reduce, wire, handed}),
+        dtype=handed,
+        destination=destination,
+        device=Device.HOST if offload else Device.DEVICE,
+        existing=existing,
+    )
 
 
 # -- the interpreter itself ------------------------------------------------------------------
@@ -789,9 +933,11 @@ def test_any_sequence_of_microbatches_averages_their_sum(
 
 def altered(change: Callable[[Plan], tuple[Op, ...]]) -> Callable[[PlanRequest], Plan]:
     """A planner that rewrites the ops of the real plan."""
+
     def planner(request: PlanRequest) -> Plan:
         plan = build_plan(request)
         return replace(plan, ops=change(plan))
+
     return planner
 
 
@@ -812,8 +958,11 @@ def test_a_use_after_free_fails() -> None:
 def test_a_dropped_division_gives_a_wrong_average() -> None:
     mesh = Mesh(SS.FULL_SHARD, 4)
     grads = make_grads(4, BIG.total, F32, 0)
-    result = simulate(request_for(mesh, BIG), grads,
-                      planner=altered(lambda p: tuple(op for op in p.ops if not isinstance(op, Divide))))
+    result = simulate(
+        request_for(mesh, BIG),
+        grads,
+        planner=altered(lambda p: tuple(op for op in p.ops if not isinstance(op, Divide))),
+    )
     with pytest.raises(AssertionError):
         assert_averaged(result, mesh, mean_over_world(grads))
 
@@ -827,8 +976,9 @@ def test_ranks_issuing_different_collectives_fail() -> None:
         return tuple(replace(op, reduce_op=avg) if isinstance(op, ReduceScatter) else op for op in plan.ops)
 
     with pytest.raises(SimulationError, match="different collectives"):
-        simulate(request_for(Mesh(SS.FULL_SHARD, 2)), make_grads(2, SEVEN.total, F32, 0),
-                 planner=altered(rank_one_averages))
+        simulate(
+            request_for(Mesh(SS.FULL_SHARD, 2)), make_grads(2, SEVEN.total, F32, 0), planner=altered(rank_one_averages)
+        )
 
 
 @pytest.mark.parametrize(
@@ -876,8 +1026,11 @@ def test_sync_and_async_replicate_all_reduce_give_the_same_numbers(mesh: Mesh, f
     for placement in HybridAllReduce:
         request = replace(request_for(mesh, BIG, flags=flags), hybrid_all_reduce=placement)
         results[placement] = run(request, grads, sharded_grads=existing, partials=partials)
-        streams = {op.stream for op in results[placement].ranks[0].executed
-                   if isinstance(op, AllReduce) and op.group is Group.REPLICATE}
+        streams = {
+            op.stream
+            for op in results[placement].ranks[0].executed
+            if isinstance(op, AllReduce) and op.group is Group.REPLICATE
+        }
         assert streams == {Stream.POST_BACKWARD if placement is HybridAllReduce.SYNC else Stream.ALL_REDUCE}
     for a, b in zip(results[HybridAllReduce.ASYNC].ranks, results[HybridAllReduce.SYNC].ranks):
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)

@@ -3,6 +3,8 @@ backward all-gathers of an all-gather schedule."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -23,8 +25,13 @@ from fsdp_core import (
 from fsdp_core.sim import CostModel, TimelineEntry, format_timeline, simulate_timeline
 
 LAYOUT = FlatParamLayout.of([("w", (8_000_000,))], torch.float32)
-COST = CostModel(device_bandwidth=1e12, shard_link_bandwidth=1e11, replicate_link_bandwidth=1e10,
-                 host_bandwidth=1e10, collective_latency=0.0)
+COST = CostModel(
+    device_bandwidth=1e12,
+    shard_link_bandwidth=1e11,
+    replicate_link_bandwidth=1e10,
+    host_bandwidth=1e10,
+    collective_latency=0.0,
+)
 
 
 def find(entries: tuple[TimelineEntry, ...], unit: int, op: str) -> TimelineEntry:
@@ -43,8 +50,12 @@ def test_streams_run_in_order_and_hybrid_all_reduce_overlaps_the_next_reduce_sca
     entries = simulate_timeline(plan, COST, units=2, backward_seconds=1e-4)
     for stream in Stream:
         mine = [e for e in entries if e.stream is stream]
-        assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
-    ar0, rs0, rs1 = find(entries, 0, "all_reduce"), find(entries, 0, "reduce_scatter"), find(entries, 1, "reduce_scatter")
+        assert all(a.end <= b.start + 1e-15 for a, b in itertools.pairwise(mine))
+    ar0, rs0, rs1 = (
+        find(entries, 0, "all_reduce"),
+        find(entries, 0, "reduce_scatter"),
+        find(entries, 1, "reduce_scatter"),
+    )
     assert ar0.start >= rs0.end
     assert ar0.stream is Stream.ALL_REDUCE and rs1.stream is Stream.POST_BACKWARD
     assert rs1.start < ar0.end and ar0.start < rs1.end
@@ -67,8 +78,11 @@ def test_bad_arguments() -> None:
 
 
 def _chain(prefetch: BackwardPrefetch | None, units: int = 4, reshard_after_forward: bool = True) -> UnshardSchedule:
-    return plan_unshard(UnshardRequest.chain(units, reshard_after_forward=reshard_after_forward,
-                                             reshard_after_backward=True, backward_prefetch=prefetch))
+    return plan_unshard(
+        UnshardRequest.chain(
+            units, reshard_after_forward=reshard_after_forward, reshard_after_backward=True, backward_prefetch=prefetch
+        )
+    )
 
 
 # 8e6 fp32 elements over 8 ranks: each rank receives 7 shards of 1e6 elements = 28e6 B, 280 us at 1e11 B/s;
@@ -117,8 +131,10 @@ def test_backward_pre_overlaps_the_next_all_gather_with_this_backward() -> None:
     # Unit 2's pre-backward fires after unit 3's post-backward issued its reduce-scatter: unit 1's
     # all-gather queues behind it on the shard group.
     assert find(entries, 1, "all_gather").start == pytest.approx(find(entries, 3, "reduce_scatter").end)
-    total = {p: max(e.end for e in simulate_timeline(plan, COST, units=4, backward_seconds=BACKWARD, unshard=_chain(p)))
-             for p in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST)}
+    total = {
+        p: max(e.end for e in simulate_timeline(plan, COST, units=4, backward_seconds=BACKWARD, unshard=_chain(p)))
+        for p in (None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST)
+    }
     assert total[BackwardPrefetch.BACKWARD_PRE] < total[None]
     # Here a unit's post-backward and the next pre-backward fire at the same instant.
     assert total[BackwardPrefetch.BACKWARD_POST] == pytest.approx(total[None])
@@ -143,9 +159,19 @@ def test_all_gather_volume_worked_by_hand() -> None:
     v = all_gather_volume(full)
     assert v is not None
     assert (v.collective, v.group, v.group_size, v.input_numel, v.output_numel, v.dtype, v.bytes) == (
-        "all_gather", Group.SHARD, 8, 126, 1008, torch.float32, 7 * 126 * 4)
-    bf16 = plan_post_backward(w1001, ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 32, 8),
-                              mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)).request
+        "all_gather",
+        Group.SHARD,
+        8,
+        126,
+        1008,
+        torch.float32,
+        7 * 126 * 4,
+    )
+    bf16 = plan_post_backward(
+        w1001,
+        ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 32, 8),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+    ).request
     v = all_gather_volume(bf16)
     assert v is not None and (v.group_size, v.dtype, v.bytes) == (8, torch.bfloat16, 7 * 126 * 2)
     no_shard = plan_post_backward(w1001, ShardingSpec.for_world(ShardingStrategy.NO_SHARD, 8)).request

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from fsdp_core import (
     AwaitGather,
     BackwardPrefetch,
+    Event,
     Gather,
     HookEvent,
     Problem,
     Reshard,
     Rule,
     UnshardAction,
-    Event,
     UnshardRequest,
     UnshardSchedule,
     UnshardStep,
@@ -47,10 +47,20 @@ def r(u: int) -> Reshard:
 Row = tuple[Event, int, tuple[UnshardAction, ...]]
 
 
-def chain(raf: bool = True, rab: bool = True, prefetch: BackwardPrefetch | None = PRE,
-          forward_prefetch: bool = False, units: int = 4) -> UnshardRequest:
-    return UnshardRequest.chain(units, reshard_after_forward=raf, reshard_after_backward=rab,
-                                backward_prefetch=prefetch, forward_prefetch=forward_prefetch)
+def chain(
+    raf: bool = True,
+    rab: bool = True,
+    prefetch: BackwardPrefetch | None = PRE,
+    forward_prefetch: bool = False,
+    units: int = 4,
+) -> UnshardRequest:
+    return UnshardRequest.chain(
+        units,
+        reshard_after_forward=raf,
+        reshard_after_backward=rab,
+        backward_prefetch=prefetch,
+        forward_prefetch=forward_prefetch,
+    )
 
 
 def rows(schedule: UnshardSchedule) -> list[Row]:
@@ -150,8 +160,19 @@ BACKWARD_KEEP: list[Row] = [(ev, u, ()) for ev, u, _ in BACKWARD_NONE]
         (chain(raf=False, rab=False, prefetch=None), FORWARD_KEEP + BACKWARD_KEEP),
         (chain(raf=False, forward_prefetch=True), FORWARD_KEEP_PREFETCHED + BACKWARD_KEEP),
     ],
-    ids=["pre", "post", "none", "fwd-pre", "fwd-post", "fwd-none", "pre-no-reshard-after-backward",
-         "zero2-pre", "zero2-post", "zero2-no-sync", "zero2-fwd"],
+    ids=[
+        "pre",
+        "post",
+        "none",
+        "fwd-pre",
+        "fwd-post",
+        "fwd-none",
+        "pre-no-reshard-after-backward",
+        "zero2-pre",
+        "zero2-post",
+        "zero2-no-sync",
+        "zero2-fwd",
+    ],
 )
 def test_four_unit_chain_schedules(request_: UnshardRequest, expected: list[Row]) -> None:
     schedule = plan_unshard(request_)
@@ -166,8 +187,12 @@ def test_chain_records_what_nested_fsdp_records() -> None:
     assert (req.root, req.forward_order, req.backward_order) == (0, (0, 1, 2, 3), (0, 3, 2, 1))
     assert req.events == tuple(HookEvent(ev, u) for ev, u, _ in FORWARD_FULL_SHARD + BACKWARD_PRE)
     single = chain(units=1)
-    assert single.events == (HookEvent(E.PRE_FORWARD, 0), HookEvent(E.POST_FORWARD, 0),
-                             HookEvent(E.PRE_BACKWARD, 0), HookEvent(E.POST_BACKWARD, 0))
+    assert single.events == (
+        HookEvent(E.PRE_FORWARD, 0),
+        HookEvent(E.POST_FORWARD, 0),
+        HookEvent(E.PRE_BACKWARD, 0),
+        HookEvent(E.POST_BACKWARD, 0),
+    )
 
 
 def test_schedules_are_hashable_values() -> None:
@@ -178,8 +203,16 @@ def test_schedules_are_hashable_values() -> None:
 
 
 def test_unrecorded_units_and_events_get_the_on_demand_actions() -> None:
-    empty = plan_unshard(UnshardRequest(units=3, root=0, forward_order=(), backward_order=(),
-                                        reshard_after_forward=True, reshard_after_backward=True))
+    empty = plan_unshard(
+        UnshardRequest(
+            units=3,
+            root=0,
+            forward_order=(),
+            backward_order=(),
+            reshard_after_forward=True,
+            reshard_after_backward=True,
+        )
+    )
     assert empty.steps == ()
     assert check_unshard(empty) == []
     for unit in range(3):
@@ -190,9 +223,17 @@ def test_unrecorded_units_and_events_get_the_on_demand_actions() -> None:
     assert empty.actions(E.POST_FORWARD, 2) == (r(2),)
 
     # Unit 4 did not run on the recorded iteration, unit 3's pre-backward hook did not fire.
-    partial = plan_unshard(UnshardRequest(units=5, root=0, forward_order=(0, 1, 2, 3), backward_order=(0, 2, 1),
-                                          reshard_after_forward=True, reshard_after_backward=True,
-                                          forward_prefetch=True))
+    partial = plan_unshard(
+        UnshardRequest(
+            units=5,
+            root=0,
+            forward_order=(0, 1, 2, 3),
+            backward_order=(0, 2, 1),
+            reshard_after_forward=True,
+            reshard_after_backward=True,
+            forward_prefetch=True,
+        )
+    )
     assert check_unshard(partial) == []
     assert partial.actions(E.PRE_FORWARD, 3) == (a(3),)
     assert partial.actions(E.PRE_FORWARD, 4) == (g(4), a(4))
@@ -210,16 +251,30 @@ def test_unrecorded_units_and_events_get_the_on_demand_actions() -> None:
 def test_prefetch_targets_only_units_that_need_gathering() -> None:
     # The root, first in backward order here, keeps its parameter: nothing prefetches it, and
     # unit 2 after it is prefetched by the root's pre-backward.
-    req = UnshardRequest(units=3, root=0, forward_order=(0, 1, 2), backward_order=(1, 0, 2),
-                         reshard_after_forward=True, reshard_after_backward=True)
+    req = UnshardRequest(
+        units=3,
+        root=0,
+        forward_order=(0, 1, 2),
+        backward_order=(1, 0, 2),
+        reshard_after_forward=True,
+        reshard_after_backward=True,
+    )
     schedule = plan_unshard(req)
     assert schedule.actions(E.PRE_BACKWARD, 1) == (g(1), a(1))
     assert schedule.actions(E.PRE_BACKWARD, 0) == (g(2),)
     assert schedule.actions(E.PRE_BACKWARD, 2) == (a(2),)
     assert check_unshard(schedule) == []
     # A unit whose backward runs without a recorded forward is gathered there.
-    cold = plan_unshard(UnshardRequest(units=2, root=0, forward_order=(), backward_order=(0, 1),
-                                       reshard_after_forward=False, reshard_after_backward=True))
+    cold = plan_unshard(
+        UnshardRequest(
+            units=2,
+            root=0,
+            forward_order=(),
+            backward_order=(0, 1),
+            reshard_after_forward=False,
+            reshard_after_backward=True,
+        )
+    )
     assert cold.actions(E.PRE_BACKWARD, 0) == (g(0), a(0), g(1))
     assert cold.actions(E.PRE_BACKWARD, 1) == (a(1),)
     assert check_unshard(cold) == []
@@ -228,8 +283,9 @@ def test_prefetch_targets_only_units_that_need_gathering() -> None:
 # -- the checker: one broken variant of the sound BACKWARD_PRE chain per rule ----------------------
 
 
-def broken(changes: dict[tuple[Event, int], tuple[UnshardAction, ...]],
-           request_: UnshardRequest | None = None) -> list[tuple[Rule, int]]:
+def broken(
+    changes: dict[tuple[Event, int], tuple[UnshardAction, ...]], request_: UnshardRequest | None = None
+) -> list[tuple[Rule, int]]:
     base = plan_unshard(request_ or chain())
     steps = tuple(replace(s, actions=changes.get((s.event, s.unit), s.actions)) for s in base.steps)
     return [(p.rule, p.op_index) for p in check_unshard(UnshardSchedule(request=base.request, steps=steps))]
@@ -258,13 +314,17 @@ def test_unsafe_reshard() -> None:
     assert broken({(E.POST_FORWARD, 1): (r(1), r(1))}) == [(Rule.UNSAFE_RESHARD, 2)]
     assert broken({(E.PRE_BACKWARD, 0): (g(3), r(3))}) == [(Rule.UNSAFE_RESHARD, 8)]
     assert broken({(E.POST_FORWARD, 1): (r(1), r(0))}) == [
-        (Rule.UNSAFE_RESHARD, 2), (Rule.FORWARD_RESHARD, 7), (Rule.UNGATHERED_USE, 8)]
+        (Rule.UNSAFE_RESHARD, 2),
+        (Rule.FORWARD_RESHARD, 7),
+        (Rule.UNGATHERED_USE, 8),
+    ]
 
 
 def test_prefetch_depth() -> None:
     assert broken({(E.PRE_BACKWARD, 0): (g(3), g(2)), (E.PRE_BACKWARD, 3): (a(3),)}) == [(Rule.PREFETCH_DEPTH, 8)]
-    assert broken({(E.PRE_FORWARD, 0): (g(0), a(0), g(1), g(2)), (E.PRE_FORWARD, 1): (a(1),),
-                   (E.PRE_FORWARD, 2): (a(2),)}) == [(Rule.PREFETCH_DEPTH, 0)]
+    assert broken(
+        {(E.PRE_FORWARD, 0): (g(0), a(0), g(1), g(2)), (E.PRE_FORWARD, 1): (a(1),), (E.PRE_FORWARD, 2): (a(2),)}
+    ) == [(Rule.PREFETCH_DEPTH, 0)]
 
 
 def test_unawaited_gather() -> None:
@@ -273,21 +333,34 @@ def test_unawaited_gather() -> None:
 
 def test_unused_gather() -> None:
     assert broken({(E.POST_BACKWARD, 1): (g(3), a(3))}) == [(Rule.UNUSED_GATHER, -1)]
-    assert broken({(E.PRE_FORWARD, 1): (g(1), a(1), g(3), a(3)), (E.PRE_FORWARD, 2): (g(2), a(2), r(3)),
-                   (E.PRE_FORWARD, 3): (g(3), a(3))}) == [(Rule.UNUSED_GATHER, 3)]
+    assert broken(
+        {
+            (E.PRE_FORWARD, 1): (g(1), a(1), g(3), a(3)),
+            (E.PRE_FORWARD, 2): (g(2), a(2), r(3)),
+            (E.PRE_FORWARD, 3): (g(3), a(3)),
+        }
+    ) == [(Rule.UNUSED_GATHER, 3)]
 
 
 def test_forward_reshard() -> None:
     assert broken({(E.POST_FORWARD, 2): ()}) == [(Rule.FORWARD_RESHARD, 4), (Rule.DOUBLE_GATHER, 9)]
     keep = chain(raf=False)
     assert broken({(E.POST_FORWARD, 2): (r(2),), (E.PRE_BACKWARD, 2): (g(2), a(2))}, keep) == [
-        (Rule.FORWARD_RESHARD, 4)]
+        (Rule.FORWARD_RESHARD, 4)
+    ]
 
 
 def test_every_unshard_rule_has_a_test_above() -> None:
-    unshard_rules = list(Rule)[list(Rule).index(Rule.UNGATHERED_USE):]
-    tested = {Rule.UNGATHERED_USE, Rule.DOUBLE_GATHER, Rule.UNSAFE_RESHARD, Rule.PREFETCH_DEPTH,
-              Rule.UNAWAITED_GATHER, Rule.UNUSED_GATHER, Rule.FORWARD_RESHARD}
+    unshard_rules = list(Rule)[list(Rule).index(Rule.UNGATHERED_USE) :]
+    tested = {
+        Rule.UNGATHERED_USE,
+        Rule.DOUBLE_GATHER,
+        Rule.UNSAFE_RESHARD,
+        Rule.PREFETCH_DEPTH,
+        Rule.UNAWAITED_GATHER,
+        Rule.UNUSED_GATHER,
+        Rule.FORWARD_RESHARD,
+    }
     assert set(unshard_rules) == tested
 
 
@@ -303,8 +376,14 @@ def test_problems_name_the_hook() -> None:
     changes = {(E.PRE_FORWARD, 1): (g(1),), (E.POST_FORWARD, 1): (a(1), r(1))}
     steps = tuple(replace(s, actions=changes.get((s.event, s.unit), s.actions)) for s in base.steps)
     found = check_unshard(UnshardSchedule(request=base.request, steps=steps))
-    assert found == [Problem(rule=Rule.UNGATHERED_USE, op_index=1, site="event",
-                             message="pre_forward of unit 1: unit 1's forward runs but its all-gather is not awaited")]
+    assert found == [
+        Problem(
+            rule=Rule.UNGATHERED_USE,
+            op_index=1,
+            site="event",
+            message="pre_forward of unit 1: unit 1's forward runs but its all-gather is not awaited",
+        )
+    ]
     assert str(found[0]).startswith("[ungathered_use] event 1: pre_forward of unit 1:")
 
 
@@ -312,8 +391,14 @@ def test_problems_name_the_hook() -> None:
 
 
 def _request(**changes: object) -> UnshardRequest:
-    fields: dict[str, object] = dict(units=3, root=0, forward_order=(0, 1, 2), backward_order=(0, 2, 1),
-                                     reshard_after_forward=True, reshard_after_backward=True)
+    fields: dict[str, object] = {
+        "units": 3,
+        "root": 0,
+        "forward_order": (0, 1, 2),
+        "backward_order": (0, 2, 1),
+        "reshard_after_forward": True,
+        "reshard_after_backward": True,
+    }
     fields.update(changes)
     return UnshardRequest(**fields)  # type: ignore[arg-type]  # deliberately ill-typed values
 
@@ -343,8 +428,13 @@ def test_bad_requests_fail_naming_the_field(changes: dict[str, object], error: t
 def test_bad_schedules_fail_on_construction() -> None:
     req = _request()
     with pytest.raises(ValueError, match="not an event of the recorded orders"):
-        UnshardSchedule(request=req, steps=(UnshardStep(event=E.POST_FORWARD, unit=0, actions=()),
-                                            UnshardStep(event=E.PRE_BACKWARD, unit=5, actions=())))
+        UnshardSchedule(
+            request=req,
+            steps=(
+                UnshardStep(event=E.POST_FORWARD, unit=0, actions=()),
+                UnshardStep(event=E.PRE_BACKWARD, unit=5, actions=()),
+            ),
+        )
     step = UnshardStep(event=E.PRE_FORWARD, unit=1, actions=(g(1), a(1)))
     with pytest.raises(ValueError, match="appears twice"):
         UnshardSchedule(request=req, steps=(step, step))
@@ -352,9 +442,9 @@ def test_bad_schedules_fail_on_construction() -> None:
         UnshardSchedule(request=req, steps=(replace(step, actions=(g(7),)),))
     with pytest.raises(TypeError, match="actions"):
         UnshardStep(event=E.PRE_FORWARD, unit=1, actions=[g(1)])  # type: ignore[arg-type]  # a list, not a tuple
-    with pytest.raises(ValueError, match="Gather.unit"):
+    with pytest.raises(ValueError, match=r"Gather\.unit"):
         Gather(unit=-1)
-    with pytest.raises(TypeError, match="Reshard.unit"):
+    with pytest.raises(TypeError, match=r"Reshard\.unit"):
         Reshard(unit=1.0)  # type: ignore[arg-type]  # not an int
 
 

@@ -9,15 +9,14 @@ produce no problems at all, or every finding here would be noise.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 import pytest
 import torch
 
 from fsdp_core import (
-    PlanCache,
-    UnsoundPlanError,
     Accumulate,
     AllReduce,
     BackendCaps,
@@ -45,6 +44,7 @@ from fsdp_core import (
     Op,
     Pad,
     Plan,
+    PlanCache,
     PlanRequest,
     Problem,
     RecordStream,
@@ -56,6 +56,7 @@ from fsdp_core import (
     ShardingStrategy,
     StepFlags,
     Stream,
+    UnsoundPlanError,
     WaitStream,
     check_plan,
     divide_factors,
@@ -273,7 +274,9 @@ def test_use_before_write_reduce_before_pad() -> None:
     plan = make_plan(FULL)
     rs = find(plan, ReduceScatter)
     pad = find(plan, Pad)
-    broken = with_ops(plan, (*plan.ops[:pad], plan.ops[rs], *(op for i, op in enumerate(plan.ops) if i >= pad and i != rs)))
+    broken = with_ops(
+        plan, (*plan.ops[:pad], plan.ops[rs], *(op for i, op in enumerate(plan.ops) if i >= pad and i != rs))
+    )
     found(broken, Rule.USE_BEFORE_WRITE, at=pad, says="grad.padded")
 
 
@@ -380,8 +383,12 @@ def test_unsafe_reuse_free_on_wrong_stream() -> None:
     plan = make_plan(FULL)
     free = find(plan, Free, is_buffer("grad.padded"))
     wrong = dataclasses.replace(op_at(plan, free, Free), stream=Stream.COMPUTE)
-    found(replace_at(plan, free, wrong), Rule.UNSAFE_REUSE, at=free,
-          says="grad.padded is freed on compute but was allocated on post_backward")
+    found(
+        replace_at(plan, free, wrong),
+        Rule.UNSAFE_REUSE,
+        at=free,
+        says="grad.padded is freed on compute but was allocated on post_backward",
+    )
 
 
 # -- dtypes, numels, devices ---------------------------------------------------------------
@@ -413,16 +420,19 @@ def test_reduce_scatter_input_smaller_than_flat_parameter() -> None:
     truncated = Buffer(name="grad", numel=1000, dtype=torch.float32)
     shard = Buffer(name="shard", numel=125, dtype=torch.float32)
     avg = ReduceOpSpec(kind=ReduceKind.AVG)
-    broken = with_ops(plan, (
-        FreeUnshardedParam(stream=Stream.COMPUTE),
-        Input(buffer=grad, role=InputRole.GRAD, stream=Stream.COMPUTE),
-        WaitStream(stream=Stream.POST_BACKWARD, waits_for=Stream.COMPUTE),
-        ReduceScatter(src=truncated, dst=shard, group=Group.SHARD, reduce_op=avg, stream=Stream.POST_BACKWARD),
-        RecordStream(buffer=grad, stream=Stream.POST_BACKWARD),
-        Free(buffer=grad, stream=Stream.COMPUTE),
-        EndOfBackwardWait(stream=Stream.COMPUTE, waits_for=Stream.POST_BACKWARD),
-        HandOff(buffer=shard, destination=Destination.SHARDED_GRAD, stream=Stream.COMPUTE),
-    ))
+    broken = with_ops(
+        plan,
+        (
+            FreeUnshardedParam(stream=Stream.COMPUTE),
+            Input(buffer=grad, role=InputRole.GRAD, stream=Stream.COMPUTE),
+            WaitStream(stream=Stream.POST_BACKWARD, waits_for=Stream.COMPUTE),
+            ReduceScatter(src=truncated, dst=shard, group=Group.SHARD, reduce_op=avg, stream=Stream.POST_BACKWARD),
+            RecordStream(buffer=grad, stream=Stream.POST_BACKWARD),
+            Free(buffer=grad, stream=Stream.COMPUTE),
+            EndOfBackwardWait(stream=Stream.COMPUTE, waits_for=Stream.POST_BACKWARD),
+            HandOff(buffer=shard, destination=Destination.SHARDED_GRAD, stream=Stream.COMPUTE),
+        ),
+    )
     found(broken, Rule.REDUCTION, at=3, says="smaller than the flat parameter (1001)")
 
 
@@ -594,7 +604,9 @@ def test_dropped_gradient_input_never_read() -> None:
     without = make_plan(FULL)
     grad_input = find(without, Input)
     edited = insert(without, grad_input + 1, saved)
-    broken = with_ops(good, insert(edited, find(edited, EndOfBackwardWait), Free(buffer=saved.buffer, stream=Stream.COMPUTE)).ops)
+    broken = with_ops(
+        good, insert(edited, find(edited, EndOfBackwardWait), Free(buffer=saved.buffer, stream=Stream.COMPUTE)).ops
+    )
     found(broken, Rule.DROPPED_GRADIENT, at=-1, says="input sharded_grad is never read")
 
 
@@ -736,7 +748,9 @@ def test_views_unsharded_in_a_sharded_plan() -> None:
 
 def test_views_of_wrong_buffer() -> None:
     """Rule VIEWS: the views point into a buffer other than the one handed off."""
-    plan = make_plan(FULL, world=4, rank=1, layout=MULTI, use_orig_params=True, mp=MixedPrecision(param_dtype=torch.float16))
+    plan = make_plan(
+        FULL, world=4, rank=1, layout=MULTI, use_orig_params=True, mp=MixedPrecision(param_dtype=torch.float16)
+    )
     g = find(plan, GradViews)
     op = op_at(plan, g, GradViews)
     handed = op_at(plan, find(plan, HandOff), HandOff).buffer
@@ -821,14 +835,16 @@ def test_gradient_input_disagrees_with_layout(change: str) -> None:
     elements for a 1001-element flat parameter (or in fp16 for an fp32 compute dtype)."""
     plan = make_plan(FULL)
     grad = op_at(plan, find(plan, Input), Input).buffer
-    wrong = dataclasses.replace(grad, numel=1000) if change == "numel" else dataclasses.replace(grad, dtype=torch.float16)
+    wrong = (
+        dataclasses.replace(grad, numel=1000) if change == "numel" else dataclasses.replace(grad, dtype=torch.float16)
+    )
     edited = [substitute(op, grad, wrong) for op in plan.ops]
     if change == "dtype":
         pad = next(i for i, op in enumerate(edited) if isinstance(op, Pad))
         pad_op = edited[pad]
         assert isinstance(pad_op, Pad)
         fp32 = Buffer(name="grad.fp32", numel=grad.numel, dtype=torch.float32)
-        edited[pad:pad + 1] = [
+        edited[pad : pad + 1] = [
             Cast(src=wrong, dst=fp32, stream=Stream.POST_BACKWARD),
             dataclasses.replace(pad_op, src=fp32),
             Free(buffer=fp32, stream=Stream.POST_BACKWARD),

@@ -11,10 +11,10 @@ state after a backward is ``(carried - plan.consumed) | {plan.carried_out}``.
 
 from __future__ import annotations
 
-from typing_extensions import assert_never
+from typing import assert_never
 
-from fsdp_core.spec.config import StepFlags
 from fsdp_core.plan.ops import Destination, InputRole
+from fsdp_core.spec.config import StepFlags
 
 __all__ = ["CARRIED_ROLES", "carried_role", "step_flags"]
 

@@ -10,12 +10,10 @@ all-gather into ``n`` elements sends ``(g - 1) * ceil(n / g)``. A group of one r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import assert_never
 
 import torch
-from typing_extensions import assert_never
 
-from fsdp_core.spec.config import CommHook
-from fsdp_core.spec.layout import ceil_div
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
@@ -38,6 +36,8 @@ from fsdp_core.plan.ops import (
     op_name,
 )
 from fsdp_core.plan.request import Plan, PlanRequest
+from fsdp_core.spec.config import CommHook
+from fsdp_core.spec.layout import ceil_div
 
 __all__ = ["CommVolume", "all_gather_volume", "comm_volume", "ring_bytes"]
 
@@ -98,17 +98,23 @@ def all_gather_volume(request: PlanRequest) -> CommVolume | None:
     g = sharding.shard_size
     padded = sharding.padded_numel(request.layout)
     dtype = request.compute_dtype
-    return CommVolume(op_index=-1, collective="all_gather", op="all_gather", group=Group.SHARD, group_size=g,
-                      input_numel=sharding.shard_numel(request.layout), output_numel=padded, dtype=dtype,
-                      bytes=ring_bytes("all_gather", padded, g, dtype))
+    return CommVolume(
+        op_index=-1,
+        collective="all_gather",
+        op="all_gather",
+        group=Group.SHARD,
+        group_size=g,
+        input_numel=sharding.shard_numel(request.layout),
+        output_numel=padded,
+        dtype=dtype,
+        bytes=ring_bytes("all_gather", padded, g, dtype),
+    )
 
 
 def comm_volume(plan: Plan) -> tuple[CommVolume, ...]:
     """Every collective ``plan`` issues, in order, with its per-rank volume."""
     request = plan.request
-    return tuple(
-        v for i, op in enumerate(plan.ops) if (v := _volume(i, op, request)) is not None
-    )
+    return tuple(v for i, op in enumerate(plan.ops) if (v := _volume(i, op, request)) is not None)
 
 
 def _volume(index: int, op: Op, request: PlanRequest) -> CommVolume | None:
@@ -116,23 +122,60 @@ def _volume(index: int, op: Op, request: PlanRequest) -> CommVolume | None:
     match op:
         case ReduceScatter():
             g = request.group_size(op.group)
-            return CommVolume(op_index=index, collective="reduce_scatter", op=op_name(op), group=op.group,
-                              group_size=g, input_numel=op.src.numel, output_numel=op.dst.numel,
-                              dtype=op.src.dtype, bytes=ring_bytes("reduce_scatter", op.src.numel, g, op.src.dtype))
+            return CommVolume(
+                op_index=index,
+                collective="reduce_scatter",
+                op=op_name(op),
+                group=op.group,
+                group_size=g,
+                input_numel=op.src.numel,
+                output_numel=op.dst.numel,
+                dtype=op.src.dtype,
+                bytes=ring_bytes("reduce_scatter", op.src.numel, g, op.src.dtype),
+            )
         case AllReduce():
             g = request.group_size(op.group)
-            return CommVolume(op_index=index, collective="all_reduce", op=op_name(op), group=op.group,
-                              group_size=g, input_numel=op.buffer.numel, output_numel=op.buffer.numel,
-                              dtype=op.buffer.dtype, bytes=ring_bytes("all_reduce", op.buffer.numel, g, op.buffer.dtype))
+            return CommVolume(
+                op_index=index,
+                collective="all_reduce",
+                op=op_name(op),
+                group=op.group,
+                group_size=g,
+                input_numel=op.buffer.numel,
+                output_numel=op.buffer.numel,
+                dtype=op.buffer.dtype,
+                bytes=ring_bytes("all_reduce", op.buffer.numel, g, op.buffer.dtype),
+            )
         case CommHookCall():
             g = request.group_size(op.group)
             in_place = op.src == op.dst or op.hook is CommHook.ALLREDUCE
             collective = "all_reduce" if in_place else "reduce_scatter"
-            return CommVolume(op_index=index, collective=collective, op=op_name(op), group=op.group,
-                              group_size=g, input_numel=op.src.numel, output_numel=op.dst.numel,
-                              dtype=op.wire_dtype, bytes=ring_bytes(collective, op.src.numel, g, op.wire_dtype))
-        case (Input() | WaitStream() | RecordStream() | Free() | FreeUnshardedParam() | Cast() | Pad()
-              | Divide() | Accumulate() | Offload() | GradViews() | EndOfBackwardWait() | HandOff()):
+            return CommVolume(
+                op_index=index,
+                collective=collective,
+                op=op_name(op),
+                group=op.group,
+                group_size=g,
+                input_numel=op.src.numel,
+                output_numel=op.dst.numel,
+                dtype=op.wire_dtype,
+                bytes=ring_bytes(collective, op.src.numel, g, op.wire_dtype),
+            )
+        case (
+            Input()
+            | WaitStream()
+            | RecordStream()
+            | Free()
+            | FreeUnshardedParam()
+            | Cast()
+            | Pad()
+            | Divide()
+            | Accumulate()
+            | Offload()
+            | GradViews()
+            | EndOfBackwardWait()
+            | HandOff()
+        ):
             return None
         case _:
             assert_never(op)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Union
+from typing import Union, assert_never
 
 import torch
-from typing_extensions import assert_never
 
 from fsdp_core.spec.config import CommHook
 from fsdp_core.spec.division import ReduceOpSpec

@@ -8,17 +8,14 @@ reduction is chosen by a dispatch table from strategy to builder, not by an if-l
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import assert_never
 
 import torch
 from toolz import pipe
-from typing_extensions import assert_never
 
-from fsdp_core.spec.config import CommHook, CPUOffload, HybridAllReduce, MixedPrecision, ShardingStrategy, StepFlags
-from fsdp_core.spec.division import DivideFactors, Division, divide_factors
-from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec, unsharded_views
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
@@ -47,6 +44,9 @@ from fsdp_core.plan.ops import (
 from fsdp_core.plan.request import Plan, PlanRequest, buffers_of
 from fsdp_core.plan.verifier import check_plan
 from fsdp_core.problems import Problem
+from fsdp_core.spec.config import CommHook, CPUOffload, HybridAllReduce, MixedPrecision, ShardingStrategy, StepFlags
+from fsdp_core.spec.division import DivideFactors, Division, divide_factors
+from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec, unsharded_views
 
 __all__ = ["PLAN_BUILDERS", "PlanCache", "UnsoundPlanError", "all_reduce_stream", "build_plan", "plan_post_backward"]
 
@@ -204,9 +204,7 @@ def _reduce_scatter(d: Draft) -> Draft:
         return _emit(d2, *_release(d2, d.grad), grad=shard)
     factors = _shard_group_factors(r)
     d2 = _divide(replace(d, factors=factors), factors.pre)
-    rs = ReduceScatter(
-        src=d2.grad, dst=shard, group=Group.SHARD, reduce_op=factors.reduce_scatter_op, stream=d2.stream
-    )
+    rs = ReduceScatter(src=d2.grad, dst=shard, group=Group.SHARD, reduce_op=factors.reduce_scatter_op, stream=d2.stream)
     d3 = _emit(d2, rs)
     return _emit(d3, *_release(d3, d2.grad), grad=shard)
 
@@ -247,7 +245,9 @@ def _replicate_all_reduce(d: Draft) -> Draft:
         # The hook averaged over the shard group; what remains is one reduction over the
         # replicate group, divided by the rule for a single collective of that size.
         rest = divide_factors(
-            shard_size=r.sharding.replicate_size, replicate_size=1, reduce_dtype=d.grad.dtype,
+            shard_size=r.sharding.replicate_size,
+            replicate_size=1,
+            reduce_dtype=d.grad.dtype,
             division=Division(policy=r.division.policy, backend=r.division.backend),
         )
         d = _divide(d, rest.pre)
@@ -360,15 +360,27 @@ the first wait), then the final gradient is exposed and handed over on compute."
 _SYNC_PROLOGUE: tuple[Stage, ...] = (_inputs, _to_post_backward_stream, _merge_pending_unsharded, _cast_to_reduce_dtype)
 _FINALIZE: tuple[Stage, ...] = (_cast_to_grad_dtype, _accumulate_or_offload, *_END_OF_BACKWARD)
 
-PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = MappingProxyType({
-    ShardingStrategy.NO_SHARD: (*_SYNC_PROLOGUE, _all_reduce_no_shard, *_FINALIZE),
-    ShardingStrategy.FULL_SHARD: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
-    ShardingStrategy.SHARD_GRAD_OP: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
-    ShardingStrategy.HYBRID_SHARD: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _replicate_all_reduce, *_FINALIZE),
-    ShardingStrategy.HYBRID_SHARD_ZERO2: (
-        *_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _replicate_all_reduce, *_FINALIZE,
-    ),
-})
+PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = MappingProxyType(
+    {
+        ShardingStrategy.NO_SHARD: (*_SYNC_PROLOGUE, _all_reduce_no_shard, *_FINALIZE),
+        ShardingStrategy.FULL_SHARD: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
+        ShardingStrategy.SHARD_GRAD_OP: (*_SYNC_PROLOGUE, _pad_to_shards, _reduce_scatter, _post_divide, *_FINALIZE),
+        ShardingStrategy.HYBRID_SHARD: (
+            *_SYNC_PROLOGUE,
+            _pad_to_shards,
+            _reduce_scatter,
+            _replicate_all_reduce,
+            *_FINALIZE,
+        ),
+        ShardingStrategy.HYBRID_SHARD_ZERO2: (
+            *_SYNC_PROLOGUE,
+            _pad_to_shards,
+            _reduce_scatter,
+            _replicate_all_reduce,
+            *_FINALIZE,
+        ),
+    }
+)
 """Strategy -> the stages of its plan when gradients are synchronised. Read-only."""
 
 NO_SYNC_STAGES: tuple[Stage, ...] = (_inputs, _merge_pending_unsharded, *_END_OF_BACKWARD)

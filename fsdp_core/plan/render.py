@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from typing import assert_never
+
 import torch
-from typing_extensions import assert_never
 
 from fsdp_core.plan.comm import comm_volume
 from fsdp_core.plan.ops import (
@@ -32,6 +33,7 @@ from fsdp_core.plan.verifier import check_plan
 from fsdp_core.problems import JsonValue, Problem, problems_to_json
 
 __all__ = ["describe_op", "format_plan", "plan_to_json"]
+
 
 def _dtype(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
@@ -64,17 +66,25 @@ def describe_op(op: Op) -> str:
             return f"{op.buffer}  over {op.group.value}, {op.reduce_op}"
         case CommHookCall():
             target = "in place" if op.src == op.dst else f"-> {op.dst}"
-            return (f"{op.hook.value}: {op.src} {target}  over {op.group.value}, "
-                    f"averages /{op.divides_by}, wire {_dtype(op.wire_dtype)}")
+            return (
+                f"{op.hook.value}: {op.src} {target}  over {op.group.value}, "
+                f"averages /{op.divides_by}, wire {_dtype(op.wire_dtype)}"
+            )
         case Accumulate():
             return f"{op.dst.name} += {op.src.name}"
         case Offload():
             verb = "+=" if op.accumulate else "="
             return f"{op.dst} {verb} {op.src.name}"
         case GradViews():
-            shown = ", ".join(f"{v.param_name}[{v.offset_in_param}:{v.offset_in_param + v.numel}]" for v in op.views[:4])
+            shown = ", ".join(
+                f"{v.param_name}[{v.offset_in_param}:{v.offset_in_param + v.numel}]" for v in op.views[:4]
+            )
             more = f", ... ({len(op.views)} in all)" if len(op.views) > 4 else ""
-            return f"orig .grad views of {op.buffer.name}: {shown}{more}" if op.views else f"no parameter in {op.buffer.name}"
+            return (
+                f"orig .grad views of {op.buffer.name}: {shown}{more}"
+                if op.views
+                else f"no parameter in {op.buffer.name}"
+            )
         case HandOff():
             return f"{op.buffer} -> {op.destination.value}"
         case _:
@@ -84,7 +94,9 @@ def describe_op(op: Op) -> str:
 def _header(plan: Plan) -> list[str]:
     r = plan.request
     s = r.sharding
-    geometry = f"shard {s.shard_size} x replicate {s.replicate_size}" if s.strategy.is_hybrid else f"world {s.shard_size}"
+    geometry = (
+        f"shard {s.shard_size} x replicate {s.replicate_size}" if s.strategy.is_hybrid else f"world {s.shard_size}"
+    )
     lines = [
         f"post-backward plan: {s.strategy.name}, {geometry}, rank {s.rank}",
         f"  flat parameter: {r.layout.total_numel} elements in {len(r.layout.params)} parameter(s), "
@@ -94,14 +106,19 @@ def _header(plan: Plan) -> list[str]:
     ]
     if plan.factors is not None:
         f = plan.factors
-        ops = (f"all-reduce {f.reduce_scatter_op}" if not s.strategy.is_sharded
-               else f"reduce-scatter {f.reduce_scatter_op}, all-reduce {f.all_reduce_op}" if s.strategy.is_hybrid
-               else f"reduce-scatter {f.reduce_scatter_op}")
+        ops = (
+            f"all-reduce {f.reduce_scatter_op}"
+            if not s.strategy.is_sharded
+            else f"reduce-scatter {f.reduce_scatter_op}, all-reduce {f.all_reduce_op}"
+            if s.strategy.is_hybrid
+            else f"reduce-scatter {f.reduce_scatter_op}"
+        )
         lines.append(f"  division: pre /{f.pre:g}, post /{f.post:g}, {ops} (total /{f.total:g})")
     flags = r.flags
     lines.append(
         f"  comm hook: {r.comm_hook.value}; offload: {r.offload.offload_params}; use_orig_params: {r.use_orig_params}; "
-        f"sync: {flags.sync_gradients}; accumulate: {flags.accumulate}; reshard in backward: {plan.should_free_in_backward}"
+        f"sync: {flags.sync_gradients}; accumulate: {flags.accumulate}; "
+        f"reshard in backward: {plan.should_free_in_backward}"
     )
     if s.strategy.is_hybrid:
         lines.append(f"  replicate all-reduce: {r.hybrid_all_reduce.value}")
@@ -113,11 +130,8 @@ def format_plan(plan: Plan) -> str:
     rows = [(str(i), op.stream.value, op_name(op), describe_op(op)) for i, op in enumerate(plan.ops)]
     head = ("#", "stream", "op", "details")
     widths = [max(len(row[k]) for row in [head, *rows]) for k in range(3)]
-    table = [
-        "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
-        for row in [head, *rows]
-    ]
-    return "\n".join(_header(plan) + [""] + table)
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in [head, *rows]]
+    return "\n".join([*_header(plan), "", *table])
 
 
 def _buffer_json(b: Buffer) -> JsonValue:
@@ -140,21 +154,32 @@ def _op_json(op: Op) -> dict[str, JsonValue]:
         case Divide():
             out.update(buffer=_buffer_json(op.buffer), factor=op.factor)
         case ReduceScatter():
-            out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst), group=op.group.value,
-                       reduce_op=str(op.reduce_op))
+            out.update(
+                src=_buffer_json(op.src), dst=_buffer_json(op.dst), group=op.group.value, reduce_op=str(op.reduce_op)
+            )
         case AllReduce():
             out.update(buffer=_buffer_json(op.buffer), group=op.group.value, reduce_op=str(op.reduce_op))
         case CommHookCall():
-            out.update(hook=op.hook.value, src=_buffer_json(op.src), dst=_buffer_json(op.dst), group=op.group.value,
-                       divides_by=op.divides_by, wire_dtype=_dtype(op.wire_dtype))
+            out.update(
+                hook=op.hook.value,
+                src=_buffer_json(op.src),
+                dst=_buffer_json(op.dst),
+                group=op.group.value,
+                divides_by=op.divides_by,
+                wire_dtype=_dtype(op.wire_dtype),
+            )
         case Accumulate():
             out.update(dst=_buffer_json(op.dst), src=_buffer_json(op.src))
         case Offload():
             out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst), accumulate=op.accumulate)
         case GradViews():
             views: list[JsonValue] = [
-                {"param": v.param_name, "offset_in_buffer": v.offset_in_buffer,
-                 "offset_in_param": v.offset_in_param, "numel": v.numel}
+                {
+                    "param": v.param_name,
+                    "offset_in_buffer": v.offset_in_buffer,
+                    "offset_in_param": v.offset_in_param,
+                    "numel": v.numel,
+                }
                 for v in op.views
             ]
             out.update(buffer=_buffer_json(op.buffer), views=views)
@@ -172,16 +197,31 @@ def plan_to_json(plan: Plan, problems: list[Problem] | None = None) -> dict[str,
     r = plan.request
     found = check_plan(plan) if problems is None else problems
     comm: list[JsonValue] = [
-        {"collective": v.collective, "op": v.op, "op_index": v.op_index, "group": v.group.value,
-         "group_size": v.group_size, "input_numel": v.input_numel, "output_numel": v.output_numel,
-         "dtype": _dtype(v.dtype), "bytes": v.bytes, "input_bytes": v.input_bytes, "output_bytes": v.output_bytes}
+        {
+            "collective": v.collective,
+            "op": v.op,
+            "op_index": v.op_index,
+            "group": v.group.value,
+            "group_size": v.group_size,
+            "input_numel": v.input_numel,
+            "output_numel": v.output_numel,
+            "dtype": _dtype(v.dtype),
+            "bytes": v.bytes,
+            "input_bytes": v.input_bytes,
+            "output_bytes": v.output_bytes,
+        }
         for v in comm_volume(plan)
     ]
     factors: JsonValue = None
     if plan.factors is not None:
         f = plan.factors
-        factors = {"pre": f.pre, "post": f.post, "reduce_scatter_op": str(f.reduce_scatter_op),
-                   "all_reduce_op": str(f.all_reduce_op), "total": f.total}
+        factors = {
+            "pre": f.pre,
+            "post": f.post,
+            "reduce_scatter_op": str(f.reduce_scatter_op),
+            "all_reduce_op": str(f.all_reduce_op),
+            "total": f.total,
+        }
     return {
         "strategy": r.sharding.strategy.name,
         "shard_size": r.sharding.shard_size,

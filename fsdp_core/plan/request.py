@@ -8,19 +8,10 @@ fails where it is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import assert_never
 
 import torch
-from typing_extensions import assert_never
 
-from fsdp_core.spec.config import (
-    CommHook,
-    CPUOffload,
-    HybridAllReduce,
-    MixedPrecision,
-    StepFlags,
-)
-from fsdp_core.spec.division import DivideFactors, Division
-from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
 from fsdp_core.plan.carry import carried_role
 from fsdp_core.plan.ops import (
     Accumulate,
@@ -45,6 +36,15 @@ from fsdp_core.plan.ops import (
     ReduceScatter,
     WaitStream,
 )
+from fsdp_core.spec.config import (
+    CommHook,
+    CPUOffload,
+    HybridAllReduce,
+    MixedPrecision,
+    StepFlags,
+)
+from fsdp_core.spec.division import DivideFactors, Division
+from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
 
 __all__ = ["Plan", "PlanRequest"]
 

@@ -14,11 +14,10 @@ import enum
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import assert_never
 
 import torch
-from typing_extensions import assert_never
 
-from fsdp_core.spec.layout import ShardView, unsharded_views
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
@@ -47,6 +46,7 @@ from fsdp_core.plan.ops import (
 )
 from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.problems import Problem, Rule
+from fsdp_core.spec.layout import ShardView, unsharded_views
 
 __all__ = ["check_plan", "expected_destination"]
 
@@ -119,7 +119,11 @@ def _expect(r: PlanRequest) -> _Expect:
     dest = expected_destination(r)
     total = r.layout.total_numel
     shard = -(-total // r.sharding.num_shards)
-    compute = r.layout.dtype if (f.force_full_precision or r.mixed_precision.param_dtype is None) else r.mixed_precision.param_dtype
+    compute = (
+        r.layout.dtype
+        if (f.force_full_precision or r.mixed_precision.param_dtype is None)
+        else r.mixed_precision.param_dtype
+    )
     reshards = r.should_free_in_backward
     buffers: dict[InputRole, tuple[int, torch.dtype, Device]] = {
         InputRole.GRAD: (total, compute, Device.DEVICE),
@@ -132,13 +136,35 @@ def _expect(r: PlanRequest) -> _Expect:
     match dest:
         case Destination.UNSHARDED_GRAD:
             views = unsharded_views(r.layout) if r.use_orig_params else None
-            return _Expect(dest, Counter(), Coverage.FULL, total, compute, Device.DEVICE, 1.0, frozenset(inputs),
-                           views, buffers, reshards)
+            return _Expect(
+                dest,
+                Counter(),
+                Coverage.FULL,
+                total,
+                compute,
+                Device.DEVICE,
+                1.0,
+                frozenset(inputs),
+                views,
+                buffers,
+                reshards,
+            )
         case Destination.PARTIAL:
             if f.pending_partial:
                 inputs.add(InputRole.PENDING_PARTIAL)
-            return _Expect(dest, Counter({Group.SHARD: 1}), Coverage.SHARD, shard, r.reduce_dtype, Device.DEVICE,
-                           None, frozenset(inputs), None, buffers, reshards)
+            return _Expect(
+                dest,
+                Counter({Group.SHARD: 1}),
+                Coverage.SHARD,
+                shard,
+                r.reduce_dtype,
+                Device.DEVICE,
+                None,
+                frozenset(inputs),
+                None,
+                buffers,
+                reshards,
+            )
         case Destination.SHARDED_GRAD | Destination.ACCUMULATED_GRAD | Destination.CPU_GRAD:
             if f.pending_partial:
                 inputs.add(InputRole.PENDING_PARTIAL)
@@ -149,8 +175,13 @@ def _expect(r: PlanRequest) -> _Expect:
             assert_never(dest)
 
 
-def _expect_reduced(r: PlanRequest, dest: Destination, inputs: frozenset[InputRole],
-                    buffers: dict[InputRole, tuple[int, torch.dtype, Device]], reshards: bool) -> _Expect:
+def _expect_reduced(
+    r: PlanRequest,
+    dest: Destination,
+    inputs: frozenset[InputRole],
+    buffers: dict[InputRole, tuple[int, torch.dtype, Device]],
+    reshards: bool,
+) -> _Expect:
     """What a plan that hands off a reduced gradient (sharded, accumulated or offloaded) must do."""
     strategy = r.sharding.strategy
     total = r.layout.total_numel
@@ -160,7 +191,9 @@ def _expect_reduced(r: PlanRequest, dest: Destination, inputs: frozenset[InputRo
         groups[Group.REPLICATE] = 1
     coverage = Coverage.SHARD if strategy.is_sharded else Coverage.FULL
     numel = shard if strategy.is_sharded else total
-    divisor = float(r.sharding.shard_size * r.sharding.replicate_size) if r.division.factor is None else r.division.factor
+    divisor = (
+        float(r.sharding.shard_size * r.sharding.replicate_size) if r.division.factor is None else r.division.factor
+    )
     device = Device.HOST if r.offload.offload_params else Device.DEVICE
     views = None
     if r.use_orig_params:
@@ -174,7 +207,7 @@ class _Checker:
         self.plan = plan
         self.request = plan.request
         self.problems: list[Problem] = []
-        self.clock: dict[Stream, dict[Stream, int]] = {s: {t: 0 for t in Stream} for s in Stream}
+        self.clock: dict[Stream, dict[Stream, int]] = {s: dict.fromkeys(Stream, 0) for s in Stream}
         self.bufs: dict[str, _BufState] = {}
         self.hand_offs: list[tuple[int, HandOff]] = []
         self.views: list[tuple[int, GradViews]] = []
@@ -212,9 +245,13 @@ class _Checker:
             self.report(Rule.USE_BEFORE_WRITE, f"{b.name} is used before anything produces it")
             return None
         if st.buffer != b:
-            rule = (Rule.DTYPE_MISMATCH if st.buffer.dtype != b.dtype
-                    else Rule.NUMEL_MISMATCH if st.buffer.numel != b.numel
-                    else Rule.DEVICE_MISMATCH)
+            rule = (
+                Rule.DTYPE_MISMATCH
+                if st.buffer.dtype != b.dtype
+                else Rule.NUMEL_MISMATCH
+                if st.buffer.numel != b.numel
+                else Rule.DEVICE_MISMATCH
+            )
             self.report(rule, f"{b} disagrees with how it was produced: {st.buffer}")
         if st.freed_at is not None:
             self.report(Rule.USE_AFTER_FREE, f"{b.name} is used after it was freed at op {st.freed_at}")
@@ -238,8 +275,10 @@ class _Checker:
         self.check_ordered(st, event)
         for r in st.reads:
             if not self.visible(r, event[0]):
-                self.report(Rule.UNSAFE_REUSE,
-                            f"{b.name} is written on {event[0].value} while a read on {r[0].value} may still be running")
+                self.report(
+                    Rule.UNSAFE_REUSE,
+                    f"{b.name} is written on {event[0].value} while a read on {r[0].value} may still be running",
+                )
         st.reads = []
         st.uses.append(event)
         st.last_write = event
@@ -247,18 +286,29 @@ class _Checker:
 
     def check_ordered(self, st: _BufState, event: tuple[Stream, int]) -> None:
         if not self.visible(st.last_write, event[0]):
-            self.report(Rule.UNSYNCED_STREAM,
-                        f"{st.buffer.name} is used on {event[0].value} but was last written on "
-                        f"{st.last_write[0].value} with no wait in between")
+            self.report(
+                Rule.UNSYNCED_STREAM,
+                f"{st.buffer.name} is used on {event[0].value} but was last written on "
+                f"{st.last_write[0].value} with no wait in between",
+            )
 
     def produce(self, b: Buffer, event: tuple[Stream, int], value: _Value, *, is_input: bool = False) -> None:
         old = self.bufs.get(b.name)
         if old is not None and old.freed_at is None:
-            self.report(Rule.REDEFINED, f"{b.name} is produced again while still alive (produced at op {old.alloc_index})")
+            self.report(
+                Rule.REDEFINED, f"{b.name} is produced again while still alive (produced at op {old.alloc_index})"
+            )
         elif old is not None and old.buffer != b:
             self.report(Rule.REDEFINED, f"name {b.name} is reused for a different buffer ({old.buffer} then {b})")
-        self.bufs[b.name] = _BufState(buffer=b, alloc_stream=event[0], alloc_index=self.index,
-                                      last_write=event, value=value, uses=[event], is_input=is_input)
+        self.bufs[b.name] = _BufState(
+            buffer=b,
+            alloc_stream=event[0],
+            alloc_index=self.index,
+            last_write=event,
+            value=value,
+            uses=[event],
+            is_input=is_input,
+        )
 
     # -- ops --------------------------------------------------------------------------------
 
@@ -299,7 +349,9 @@ class _Checker:
             case Divide():
                 self.op_divide(op)
             case ReduceScatter():
-                self.op_reduce_scatter(op.src, op.dst, op.group, op.reduce_op.scale(self.group_size(op.group)), op.stream)
+                self.op_reduce_scatter(
+                    op.src, op.dst, op.group, op.reduce_op.scale(self.group_size(op.group)), op.stream
+                )
             case AllReduce():
                 self.op_all_reduce(op.buffer, op.group, op.reduce_op.scale(self.group_size(op.group)), op.stream)
             case CommHookCall():
@@ -353,18 +405,24 @@ class _Checker:
         if st is None:
             return
         if op.stream is not st.alloc_stream:
-            self.report(Rule.UNSAFE_REUSE,
-                        f"{op.buffer.name} is freed on {op.stream.value} but was allocated on {st.alloc_stream.value}")
+            self.report(
+                Rule.UNSAFE_REUSE,
+                f"{op.buffer.name} is freed on {op.stream.value} but was allocated on {st.alloc_stream.value}",
+            )
         for s, t in st.uses:
             if s is st.alloc_stream or s in st.recorded or self.clock[st.alloc_stream][s] >= t:
                 continue
-            self.report(Rule.UNSAFE_REUSE,
-                        f"{op.buffer.name} is freed to {st.alloc_stream.value}'s pool while work on {s.value} may "
-                        f"still use it (no record_stream, no wait)")
+            self.report(
+                Rule.UNSAFE_REUSE,
+                f"{op.buffer.name} is freed to {st.alloc_stream.value}'s pool while work on {s.value} may "
+                f"still use it (no record_stream, no wait)",
+            )
             break
         st.freed_at = self.index
 
-    def op_derive(self, src: Buffer, dst: Buffer, stream: Stream, *, same_numel: bool, same_dtype: bool) -> _Value | None:
+    def op_derive(
+        self, src: Buffer, dst: Buffer, stream: Stream, *, same_numel: bool, same_dtype: bool
+    ) -> _Value | None:
         ev = self.tick(stream)
         st = self.read(src, ev)
         if same_numel and src.numel != dst.numel:
@@ -395,8 +453,9 @@ class _Checker:
         if st.value.reductions[group] >= 1:
             self.report(Rule.REDUCTION, f"{what} reduces {st.buffer.name} over the {group.value} group a second time")
 
-    def op_reduce_scatter(self, src: Buffer, dst: Buffer, group: Group, scale: float, stream: Stream,
-                          what: str = "reduce_scatter") -> None:
+    def op_reduce_scatter(
+        self, src: Buffer, dst: Buffer, group: Group, scale: float, stream: Stream, what: str = "reduce_scatter"
+    ) -> None:
         ev = self.tick(stream)
         st = self.read(src, ev)
         size = self.group_size(group)
@@ -412,9 +471,11 @@ class _Checker:
             if st.value.coverage is not Coverage.FULL:
                 self.report(Rule.REDUCTION, f"{what} input {src.name} does not hold the whole gradient")
             if src.numel < self.request.layout.total_numel:
-                self.report(Rule.REDUCTION,
-                            f"{what} input {src} is smaller than the flat parameter "
-                            f"({self.request.layout.total_numel}); some elements would not be reduced")
+                self.report(
+                    Rule.REDUCTION,
+                    f"{what} input {src} is smaller than the flat parameter "
+                    f"({self.request.layout.total_numel}); some elements would not be reduced",
+                )
             value = st.value.copy()
             value.coverage = Coverage.SHARD
             value.reductions[group] += 1
@@ -461,13 +522,17 @@ class _Checker:
     def merge(self, src: _BufState, dst: _BufState) -> None:
         a, b = src.value, dst.value
         if +a.reductions != +b.reductions or a.coverage is not b.coverage:
-            self.report(Rule.REDUCTION,
-                        f"accumulating {src.buffer.name} (reduced over {_groups(a)}) into {dst.buffer.name} "
-                        f"(reduced over {_groups(b)}) mixes differently reduced gradients")
+            self.report(
+                Rule.REDUCTION,
+                f"accumulating {src.buffer.name} (reduced over {_groups(a)}) into {dst.buffer.name} "
+                f"(reduced over {_groups(b)}) mixes differently reduced gradients",
+            )
         if a.scale is not None and b.scale is not None and not math.isclose(a.scale, b.scale, rel_tol=1e-9):
-            self.report(Rule.DIVISION,
-                        f"accumulating {src.buffer.name} (scaled {a.scale:.6g}) into {dst.buffer.name} "
-                        f"(scaled {b.scale:.6g}) mixes differently divided gradients")
+            self.report(
+                Rule.DIVISION,
+                f"accumulating {src.buffer.name} (scaled {a.scale:.6g}) into {dst.buffer.name} "
+                f"(scaled {b.scale:.6g}) mixes differently divided gradients",
+            )
         if b.scale is None:
             b.scale = a.scale
         b.sources = a.sources | b.sources
@@ -480,8 +545,10 @@ class _Checker:
             src = self.read(op.src, ev)
             dst = self.write_in_place(op.dst, ev)
             if op.src.dtype != op.dst.dtype or op.src.numel != op.dst.numel:
-                self.report(Rule.DTYPE_MISMATCH if op.src.dtype != op.dst.dtype else Rule.NUMEL_MISMATCH,
-                            f"offload-accumulate {op.src} into {op.dst}")
+                self.report(
+                    Rule.DTYPE_MISMATCH if op.src.dtype != op.dst.dtype else Rule.NUMEL_MISMATCH,
+                    f"offload-accumulate {op.src} into {op.dst}",
+                )
             if src is not None and dst is not None:
                 self.merge(src, dst)
         else:
@@ -493,7 +560,9 @@ class _Checker:
         exp = self.expect
         if self.reshards != (1 if exp.reshards else 0):
             verb = "free the unsharded parameter once" if exp.reshards else "keep the unsharded parameter"
-            self.report(Rule.RESHARD, f"the strategy and flags say to {verb}; the plan frees it {self.reshards} time(s)")
+            self.report(
+                Rule.RESHARD, f"the strategy and flags say to {verb}; the plan frees it {self.reshards} time(s)"
+            )
         if len(self.hand_offs) != 1:
             self.report(Rule.HAND_OFF, f"expected exactly one hand-off, found {len(self.hand_offs)}")
         for role in sorted(exp.inputs - set(self.input_roles), key=lambda r: r.value):
@@ -529,20 +598,34 @@ class _Checker:
         missing = exp.inputs - st.value.sources
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
-            self.report(Rule.DROPPED_GRADIENT,
-                        f"the handed-off {b.name} does not include the {names} gradient: it is dropped", index)
+            self.report(
+                Rule.DROPPED_GRADIENT,
+                f"the handed-off {b.name} does not include the {names} gradient: it is dropped",
+                index,
+            )
         got = +st.value.reductions
         if got != +exp.reductions:
-            self.report(Rule.REDUCTION,
-                        f"hands off a gradient reduced over {_groups(st.value)}, expected exactly once over "
-                        f"{_groups(_Value(exp.reductions, None, exp.coverage))}", index)
+            self.report(
+                Rule.REDUCTION,
+                f"hands off a gradient reduced over {_groups(st.value)}, expected exactly once over "
+                f"{_groups(_Value(exp.reductions, None, exp.coverage))}",
+                index,
+            )
         if st.value.coverage is not exp.coverage:
-            self.report(Rule.REDUCTION, f"hands off a {st.value.coverage.value} gradient, expected {exp.coverage.value}", index)
-        if exp.total_divisor is not None and st.value.scale is not None:
-            if not math.isclose(st.value.scale * exp.total_divisor, 1.0, rel_tol=1e-9):
-                self.report(Rule.DIVISION,
-                            f"the gradient is divided by {1.0 / st.value.scale:.6g} in total, expected "
-                            f"{exp.total_divisor:.6g}", index)
+            self.report(
+                Rule.REDUCTION, f"hands off a {st.value.coverage.value} gradient, expected {exp.coverage.value}", index
+            )
+        scale = st.value.scale
+        if (
+            exp.total_divisor is not None
+            and scale is not None
+            and not math.isclose(scale * exp.total_divisor, 1.0, rel_tol=1e-9)
+        ):
+            self.report(
+                Rule.DIVISION,
+                f"the gradient is divided by {1.0 / scale:.6g} in total, expected {exp.total_divisor:.6g}",
+                index,
+            )
 
     def check_views(self, exp: _Expect) -> None:
         if exp.views is None:
@@ -555,23 +638,32 @@ class _Checker:
         index, v = self.views[0]
         self.check_views_placement(index, v)
         if self.hand_offs and v.buffer.name != self.hand_offs[0][1].buffer.name:
-            self.report(Rule.VIEWS, f"views are of {v.buffer.name} but {self.hand_offs[0][1].buffer.name} is handed off", index)
+            self.report(
+                Rule.VIEWS, f"views are of {v.buffer.name} but {self.hand_offs[0][1].buffer.name} is handed off", index
+            )
         for view in v.views:
             if view.offset_in_buffer < 0 or view.offset_in_buffer + view.numel > v.buffer.numel:
                 self.report(Rule.VIEWS, f"view of {view.param_name} lies outside {v.buffer}", index)
         if v.views != exp.views:
             self.report(Rule.VIEWS, "the views do not match this rank's slices of the original parameters", index)
 
-
     def check_views_placement(self, index: int, v: GradViews) -> None:
         """The original parameters' ``.grad`` is exposed on compute, once the gradient is final:
         after the end-of-backward waits when the plan has them."""
         if v.stream is not Stream.COMPUTE:
-            self.report(Rule.VIEWS, f"grad views are exposed on {v.stream.value}; the original parameters' "
-                                    ".grad is read on compute", index)
+            self.report(
+                Rule.VIEWS,
+                f"grad views are exposed on {v.stream.value}; the original parameters' .grad is read on compute",
+                index,
+            )
         if self.plan.callback_ops and index < len(self.plan.hook_ops):
-            self.report(Rule.VIEWS, "grad views are exposed inside the post-backward hook, before the "
-                                    "end-of-backward waits; the gradient is final only after them", index)
+            self.report(
+                Rule.VIEWS,
+                "grad views are exposed inside the post-backward hook, before the "
+                "end-of-backward waits; the gradient is final only after them",
+                index,
+            )
+
 
 def _groups(v: _Value) -> str:
     parts = [f"{g.value}x{n}" for g, n in sorted(v.reductions.items(), key=lambda kv: kv[0].value) if n]

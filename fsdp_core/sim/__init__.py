@@ -55,6 +55,10 @@ from fsdp_core.sim.timeline import CostModel, TimelineEntry, format_timeline, si
 
 __all__ = [
     "ACTIVITY_MARKS",
+    "SEED_DECODER",
+    "SEED_ENCODER",
+    "SEED_PARAMETERS",
+    "SEED_ROWS",
     "Activity",
     "AffineCost",
     "Collective",
@@ -71,10 +75,6 @@ __all__ = [
     "Load",
     "MeasuredUnit",
     "Measurements",
-    "SEED_DECODER",
-    "SEED_ENCODER",
-    "SEED_PARAMETERS",
-    "SEED_ROWS",
     "Schedule",
     "SeedCalibration",
     "SeedParameters",

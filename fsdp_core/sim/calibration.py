@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from fsdp_core.spec.config import BackwardPrefetch
 from fsdp_core.sim.iteration import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
 from fsdp_core.sim.links import Link
+from fsdp_core.spec.config import BackwardPrefetch
 
 __all__ = [
     "AffineCost",
@@ -151,14 +151,21 @@ _NEEDED = (
 def fit_collectives(samples: Sequence[CollectiveSample]) -> CollectiveFits:
     """``fit_affine`` per (collective, link) of ``CollectiveFits``; ``ValueError`` naming every
     one without samples. Samples of other pairs (an intra-node all-reduce) are ignored."""
-    missing = [f"{c.value} on {link.value}" for _, c, link in _NEEDED
-               if not any(s.collective is c and s.link is link for s in samples)]
+    missing = [
+        f"{c.value} on {link.value}"
+        for _, c, link in _NEEDED
+        if not any(s.collective is c and s.link is link for s in samples)
+    ]
     if missing:
         raise ValueError(f"samples: no measurement of {', '.join(missing)}")
     fits = {name: fit_affine([s for s in samples if s.collective is c and s.link is link]) for name, c, link in _NEEDED}
-    return CollectiveFits(all_gather_intra=fits["all_gather_intra"], all_gather_inter=fits["all_gather_inter"],
-                          reduce_scatter_intra=fits["reduce_scatter_intra"],
-                          reduce_scatter_inter=fits["reduce_scatter_inter"], all_reduce_inter=fits["all_reduce_inter"])
+    return CollectiveFits(
+        all_gather_intra=fits["all_gather_intra"],
+        all_gather_inter=fits["all_gather_inter"],
+        reduce_scatter_intra=fits["reduce_scatter_intra"],
+        reduce_scatter_inter=fits["reduce_scatter_inter"],
+        all_reduce_inter=fits["all_reduce_inter"],
+    )
 
 
 class Load(enum.Enum):
@@ -245,7 +252,11 @@ class Measurements:
     """Pairs of collectives of one link timed alone and together; none: ideal sharing."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.units, tuple) or not self.units or not all(isinstance(u, MeasuredUnit) for u in self.units):
+        if (
+            not isinstance(self.units, tuple)
+            or not self.units
+            or not all(isinstance(u, MeasuredUnit) for u in self.units)
+        ):
             raise TypeError(f"Measurements.units: expected a non-empty tuple of MeasuredUnit, got {self.units!r}")
         if not isinstance(self.samples, tuple) or not all(isinstance(s, CollectiveSample) for s in self.samples):
             raise TypeError(f"Measurements.samples: expected a tuple of CollectiveSample, got {self.samples!r}")
@@ -314,9 +325,13 @@ def links_from_measurements(measurements: Measurements, *, one_collective_per_gr
       side by side (gloo); pass it as the backend behaves.
 
     Bandwidths stay 1: the costs were timed on the links as they are."""
+
     def of(load: Load, link: Link, collective: Collective | None = None) -> list[SlowdownSample]:
-        return [s for s in measurements.slowdowns
-                if s.load is load and s.link is link and collective in (None, s.collective)]
+        return [
+            s
+            for s in measurements.slowdowns
+            if s.load is load and s.link is link and collective in (None, s.collective)
+        ]
 
     computing = {name: _slowdown(of(Load.COMPUTE, link, collective)) for name, collective, link in _NEEDED}
     return LinkModel(

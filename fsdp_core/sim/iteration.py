@@ -47,24 +47,23 @@ import enum
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import assert_never
 
-from typing_extensions import assert_never
-
-from fsdp_core.plan.planner import all_reduce_stream
-from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, parse_member
-from fsdp_core.sim.links import Link, SimTask, run_tasks
 from fsdp_core.plan.ops import Group, Stream
+from fsdp_core.plan.planner import all_reduce_stream
+from fsdp_core.sim.links import Link, SimTask, run_tasks
+from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, parse_member
 from fsdp_core.spec.events import Event
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardRequest, plan_unshard
 
 __all__ = [
+    "Activity",
     "CollectiveCosts",
     "ComputeSlowdown",
     "Interval",
     "IterationModel",
     "IterationTimeline",
     "LinkModel",
-    "Activity",
     "Schedule",
     "UnitCosts",
     "simulate_iteration",
@@ -151,8 +150,13 @@ class CollectiveCosts:
     all_reduce_inter_ms: float
 
     def __post_init__(self) -> None:
-        for name in ("all_gather_intra_ms", "all_gather_inter_ms", "reduce_scatter_intra_ms",
-                     "reduce_scatter_inter_ms", "all_reduce_inter_ms"):
+        for name in (
+            "all_gather_intra_ms",
+            "all_gather_inter_ms",
+            "reduce_scatter_intra_ms",
+            "reduce_scatter_inter_ms",
+            "all_reduce_inter_ms",
+        ):
             _check_ms("CollectiveCosts", name, getattr(self, name))
 
     def all_gather_ms(self, link: Link) -> float:
@@ -201,8 +205,9 @@ class IterationModel:
         if len(set(names)) != len(names):
             raise ValueError(f"IterationModel.units: names must be unique, got {names}")
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
-            raise TypeError(f"IterationModel.backward_prefetch: expected None or a BackwardPrefetch, "
-                            f"got {self.backward_prefetch!r}")
+            raise TypeError(
+                f"IterationModel.backward_prefetch: expected None or a BackwardPrefetch, got {self.backward_prefetch!r}"
+            )
         if not isinstance(self.forward_prefetch, bool):
             raise TypeError(f"IterationModel.forward_prefetch: expected a bool, got {self.forward_prefetch!r}")
 
@@ -223,8 +228,13 @@ class ComputeSlowdown:
     all_reduce_inter: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("all_gather_intra", "all_gather_inter", "reduce_scatter_intra", "reduce_scatter_inter",
-                     "all_reduce_inter"):
+        for name in (
+            "all_gather_intra",
+            "all_gather_inter",
+            "reduce_scatter_intra",
+            "reduce_scatter_inter",
+            "all_reduce_inter",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < math.inf:
                 raise ValueError(f"ComputeSlowdown.{name}: expected a finite number >= 1, got {value!r}")
@@ -283,7 +293,9 @@ class LinkModel:
                 bound = ">= 1" if name in at_least_one else "> 0"
                 raise ValueError(f"LinkModel.{name}: expected a finite number {bound}, got {value!r}")
         if not isinstance(self.one_collective_per_group, bool):
-            raise TypeError(f"LinkModel.one_collective_per_group: expected a bool, got {self.one_collective_per_group!r}")
+            raise TypeError(
+                f"LinkModel.one_collective_per_group: expected a bool, got {self.one_collective_per_group!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -345,9 +357,13 @@ _BACKWARD_EVENTS = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
 
 def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple[list[SimTask], list[_Label]]:
     """The iteration as tasks in host order, each after what it waits for (module docstring)."""
-    request = UnshardRequest.chain(len(model.units), reshard_after_forward=True, reshard_after_backward=True,
-                                   backward_prefetch=model.backward_prefetch,
-                                   forward_prefetch=model.forward_prefetch)
+    request = UnshardRequest.chain(
+        len(model.units),
+        reshard_after_forward=True,
+        reshard_after_backward=True,
+        backward_prefetch=model.backward_prefetch,
+        forward_prefetch=model.forward_prefetch,
+    )
     actions = plan_unshard(request)
     shard_link = schedule.shard_link
     tasks: list[SimTask] = []
@@ -357,8 +373,16 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
     gathered: dict[int, int] = {}  # unit -> its all-gather task, while gathered or in flight
     awaited: list[int] = []  # all-gathers the next compute task waits for
 
-    def add(unit: int, activity: Activity, stream: Stream, ms: float, *, group: Group | None = None,
-            link: Link | None = None, after: tuple[int, ...] = ()) -> int:
+    def add(
+        unit: int,
+        activity: Activity,
+        stream: Stream,
+        ms: float,
+        *,
+        group: Group | None = None,
+        link: Link | None = None,
+        after: tuple[int, ...] = (),
+    ) -> int:
         deps = set(after)
         if stream in last_on:
             deps.add(last_on[stream])
@@ -387,8 +411,9 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
                 case Gather():
                     if action.unit not in gathered:
                         cost = model.units[action.unit].collectives.all_gather_ms(shard_link)
-                        gathered[action.unit] = add(action.unit, activity, Stream.ALL_GATHER, cost,
-                                                    group=Group.SHARD, link=shard_link)
+                        gathered[action.unit] = add(
+                            action.unit, activity, Stream.ALL_GATHER, cost, group=Group.SHARD, link=shard_link
+                        )
                 case AwaitGather():
                     if action.unit in gathered:
                         awaited.append(gathered[action.unit])
@@ -410,17 +435,33 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
                 if unit != request.root:
                     compute(unit, Activity.BACKWARD, costs.backward_ms)
             case Event.POST_BACKWARD:
-                backward = (compute(unit, Activity.BACKWARD, costs.backward_ms) if unit == request.root
-                            else last_on[Stream.COMPUTE])
+                backward = (
+                    compute(unit, Activity.BACKWARD, costs.backward_ms)
+                    if unit == request.root
+                    else last_on[Stream.COMPUTE]
+                )
                 hook(event, unit)
                 gathered.pop(unit, None)  # the post-backward plan reshards
-                rs = add(unit, Activity.REDUCE_SCATTER, Stream.POST_BACKWARD,
-                         costs.collectives.reduce_scatter_ms(shard_link), group=Group.SHARD, link=shard_link,
-                         after=(backward,))
+                rs = add(
+                    unit,
+                    Activity.REDUCE_SCATTER,
+                    Stream.POST_BACKWARD,
+                    costs.collectives.reduce_scatter_ms(shard_link),
+                    group=Group.SHARD,
+                    link=shard_link,
+                    after=(backward,),
+                )
                 if schedule.placement is not None:
                     stream = all_reduce_stream(schedule.placement)
-                    add(unit, Activity.ALL_REDUCE, stream, costs.collectives.all_reduce_inter_ms,
-                        group=Group.REPLICATE, link=Link.INTER_NODE, after=(rs,))
+                    add(
+                        unit,
+                        Activity.ALL_REDUCE,
+                        stream,
+                        costs.collectives.all_reduce_inter_ms,
+                        group=Group.REPLICATE,
+                        link=Link.INTER_NODE,
+                        after=(rs,),
+                    )
             case Event.END_FORWARD | Event.END_BACKWARD:
                 pass
             case _:
@@ -441,13 +482,27 @@ def simulate_iteration(model: IterationModel, schedule: Schedule, links: LinkMod
     if not isinstance(links, LinkModel):
         raise TypeError(f"links: expected a LinkModel, got {type(links).__name__}")
     tasks, labels = _tasks(model, schedule, links)
-    capacity = {Link.INTER_NODE: Fraction(links.inter_node_bandwidth),
-                Link.INTRA_NODE: Fraction(links.intra_node_bandwidth)}
-    times = run_tasks(tasks, capacity=capacity, contention=Fraction(links.contention),
-                      cross_link_slowdown=Fraction(links.cross_link_slowdown))
+    capacity = {
+        Link.INTER_NODE: Fraction(links.inter_node_bandwidth),
+        Link.INTRA_NODE: Fraction(links.intra_node_bandwidth),
+    }
+    times = run_tasks(
+        tasks,
+        capacity=capacity,
+        contention=Fraction(links.contention),
+        cross_link_slowdown=Fraction(links.cross_link_slowdown),
+    )
     intervals = tuple(
-        Interval(unit=label.unit, name=model.units[label.unit].name, activity=label.activity, stream=label.stream,
-                 group=label.group, link=label.link, start_ms=float(start), end_ms=float(end))
+        Interval(
+            unit=label.unit,
+            name=model.units[label.unit].name,
+            activity=label.activity,
+            stream=label.stream,
+            group=label.group,
+            link=label.link,
+            start_ms=float(start),
+            end_ms=float(end),
+        )
         for label, (start, end) in zip(labels, times)
     )
     end = max((e for _, e in times), default=Fraction(0))

@@ -34,9 +34,9 @@ iteration simulator (``fsdp_core.sim.iteration``) builds the tasks.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Mapping, Sequence
 
 __all__ = ["Link", "SimTask", "run_tasks"]
 
@@ -68,9 +68,14 @@ class SimTask:
     def __post_init__(self) -> None:
         if not isinstance(self.work, Fraction) or self.work < 0:
             raise ValueError(f"work: expected a Fraction >= 0, got {self.work!r}")
-        if not isinstance(self.compute_slowdown, Fraction) or self.compute_slowdown < 1 or (
-                self.link is None and self.compute_slowdown != 1):
-            raise ValueError(f"compute_slowdown: expected a Fraction >= 1 (1 for compute), got {self.compute_slowdown!r}")
+        if (
+            not isinstance(self.compute_slowdown, Fraction)
+            or self.compute_slowdown < 1
+            or (self.link is None and self.compute_slowdown != 1)
+        ):
+            raise ValueError(
+                f"compute_slowdown: expected a Fraction >= 1 (1 for compute), got {self.compute_slowdown!r}"
+            )
         if not isinstance(self.after, tuple) or not all(isinstance(a, int) and a >= 0 for a in self.after):
             raise ValueError(f"after: expected a tuple of task indices, got {self.after!r}")
 
@@ -86,8 +91,9 @@ def run_tasks(
 
     ``capacity`` gives each link's bandwidth relative to the one at which ``work`` was timed (it
     must name every link a task uses, each > 0); ``contention`` and ``cross_link_slowdown`` (both
-    >= 1; defaults: no loss) are the slowdowns described in the module docstring. Raises ``ValueError`` for a task that comes after itself or a later task,
-    or for a bad capacity or slowdown. Tasks ready at the same instant start in index order;
+    >= 1; defaults: no loss) are the slowdowns described in the module docstring. Raises
+    ``ValueError`` for a task that comes after itself or a later task, or for a bad capacity or
+    slowdown. Tasks ready at the same instant start in index order;
     the result does not depend on it.
     """
     for name, factor in (("contention", contention), ("cross_link_slowdown", cross_link_slowdown)):
@@ -97,8 +103,9 @@ def run_tasks(
         if any(a >= index for a in task.after):
             raise ValueError(f"tasks[{index}].after: expected indices below {index}, got {task.after}")
         if task.link is not None and capacity.get(task.link, Fraction(0)) <= 0:
-            raise ValueError(f"capacity: expected a positive capacity for {task.link.value}, got "
-                             f"{capacity.get(task.link)}")
+            raise ValueError(
+                f"capacity: expected a positive capacity for {task.link.value}, got {capacity.get(task.link)}"
+            )
     n = len(tasks)
     start: list[Fraction | None] = [None] * n
     end: list[Fraction | None] = [None] * n

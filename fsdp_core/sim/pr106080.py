@@ -18,8 +18,8 @@ to one seed number, by bisection (``fit_seed``); the other two seed numbers are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from fsdp_core.sim.iteration import (
     CollectiveCosts,
@@ -49,14 +49,29 @@ __all__ = [
     "seed_model",
 ]
 
-SEED_ENCODER = CollectiveCosts(all_gather_intra_ms=3.0, all_gather_inter_ms=23.0, reduce_scatter_intra_ms=3.0,
-                               reduce_scatter_inter_ms=23.0, all_reduce_inter_ms=30.0)
+SEED_ENCODER = CollectiveCosts(
+    all_gather_intra_ms=3.0,
+    all_gather_inter_ms=23.0,
+    reduce_scatter_intra_ms=3.0,
+    reduce_scatter_inter_ms=23.0,
+    all_reduce_inter_ms=30.0,
+)
 """An encoder layer's collectives alone, as the seed gives them."""
-SEED_DECODER = CollectiveCosts(all_gather_intra_ms=5.0, all_gather_inter_ms=40.0, reduce_scatter_intra_ms=5.0,
-                               reduce_scatter_inter_ms=40.0, all_reduce_inter_ms=55.0)
+SEED_DECODER = CollectiveCosts(
+    all_gather_intra_ms=5.0,
+    all_gather_inter_ms=40.0,
+    reduce_scatter_intra_ms=5.0,
+    reduce_scatter_inter_ms=40.0,
+    all_reduce_inter_ms=55.0,
+)
 """A decoder layer's collectives alone, as the seed gives them."""
-_NOTHING = CollectiveCosts(all_gather_intra_ms=0.0, all_gather_inter_ms=0.0, reduce_scatter_intra_ms=0.0,
-                           reduce_scatter_inter_ms=0.0, all_reduce_inter_ms=0.0)
+_NOTHING = CollectiveCosts(
+    all_gather_intra_ms=0.0,
+    all_gather_inter_ms=0.0,
+    reduce_scatter_intra_ms=0.0,
+    reduce_scatter_inter_ms=0.0,
+    all_reduce_inter_ms=0.0,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,8 +94,13 @@ class SeedParameters:
     a link here."""
 
     def __post_init__(self) -> None:
-        for name in ("encoder_forward_ms", "cross_nic_bandwidth_factor", "backward_per_forward",
-                     "decoder_per_encoder_compute", "contention"):
+        for name in (
+            "encoder_forward_ms",
+            "cross_nic_bandwidth_factor",
+            "backward_per_forward",
+            "decoder_per_encoder_compute",
+            "contention",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"SeedParameters.{name}: expected a finite number >= 0, got {value!r}")
@@ -114,14 +134,38 @@ class SeedRow:
 
 
 SEED_ROWS: tuple[SeedRow, ...] = (
-    SeedRow(key="fsdp", label="FSDP (FULL_SHARD, 32 GPUs)", schedule=Schedule.FSDP, cross_nic=False,
-            seed_ms=1160.0, fitted=None),
-    SeedRow(key="hsdp_sync", label="HSDP, sync all-reduce", schedule=Schedule.HSDP_SYNC, cross_nic=False,
-            seed_ms=665.0, fitted=None),
-    SeedRow(key="hsdp_async", label="HSDP, async all-reduce", schedule=Schedule.HSDP_ASYNC, cross_nic=False,
-            seed_ms=597.0, fitted="encoder_forward_ms"),
-    SeedRow(key="hsdp_async_cross_nic", label="HSDP async, CROSS_NIC=1", schedule=Schedule.HSDP_ASYNC,
-            cross_nic=True, seed_ms=556.0, fitted="cross_nic_bandwidth_factor"),
+    SeedRow(
+        key="fsdp",
+        label="FSDP (FULL_SHARD, 32 GPUs)",
+        schedule=Schedule.FSDP,
+        cross_nic=False,
+        seed_ms=1160.0,
+        fitted=None,
+    ),
+    SeedRow(
+        key="hsdp_sync",
+        label="HSDP, sync all-reduce",
+        schedule=Schedule.HSDP_SYNC,
+        cross_nic=False,
+        seed_ms=665.0,
+        fitted=None,
+    ),
+    SeedRow(
+        key="hsdp_async",
+        label="HSDP, async all-reduce",
+        schedule=Schedule.HSDP_ASYNC,
+        cross_nic=False,
+        seed_ms=597.0,
+        fitted="encoder_forward_ms",
+    ),
+    SeedRow(
+        key="hsdp_async_cross_nic",
+        label="HSDP async, CROSS_NIC=1",
+        schedule=Schedule.HSDP_ASYNC,
+        cross_nic=True,
+        seed_ms=556.0,
+        fitted="cross_nic_bandwidth_factor",
+    ),
 )
 """The seed's four numbers, in its order."""
 
@@ -133,19 +177,36 @@ def seed_model(params: SeedParameters = SEED_PARAMETERS) -> IterationModel:
     encoder_ms = params.encoder_forward_ms
     decoder_ms = encoder_ms * params.decoder_per_encoder_compute
     root = UnitCosts(name="root", forward_ms=0.0, backward_ms=0.0, collectives=_NOTHING)
-    encoders = tuple(UnitCosts(name=f"enc{i}", forward_ms=encoder_ms, backward_ms=encoder_ms * params.backward_per_forward,
-                               collectives=SEED_ENCODER) for i in range(6))
-    decoders = tuple(UnitCosts(name=f"dec{i}", forward_ms=decoder_ms, backward_ms=decoder_ms * params.backward_per_forward,
-                               collectives=SEED_DECODER) for i in range(6))
+    encoders = tuple(
+        UnitCosts(
+            name=f"enc{i}",
+            forward_ms=encoder_ms,
+            backward_ms=encoder_ms * params.backward_per_forward,
+            collectives=SEED_ENCODER,
+        )
+        for i in range(6)
+    )
+    decoders = tuple(
+        UnitCosts(
+            name=f"dec{i}",
+            forward_ms=decoder_ms,
+            backward_ms=decoder_ms * params.backward_per_forward,
+            collectives=SEED_DECODER,
+        )
+        for i in range(6)
+    )
     return IterationModel(units=(root, *encoders, *decoders))
 
 
-def seed_links(params: SeedParameters = SEED_PARAMETERS, *, cross_nic: bool = False,
-               one_collective_per_group: bool = True) -> LinkModel:
+def seed_links(
+    params: SeedParameters = SEED_PARAMETERS, *, cross_nic: bool = False, one_collective_per_group: bool = True
+) -> LinkModel:
     """The link model of a seed row: ``contention``, and the cross-NIC factor when ``cross_nic``."""
-    return LinkModel(contention=params.contention,
-                     inter_node_bandwidth=params.cross_nic_bandwidth_factor if cross_nic else 1.0,
-                     one_collective_per_group=one_collective_per_group)
+    return LinkModel(
+        contention=params.contention,
+        inter_node_bandwidth=params.cross_nic_bandwidth_factor if cross_nic else 1.0,
+        one_collective_per_group=one_collective_per_group,
+    )
 
 
 def _simulate(row: SeedRow, params: SeedParameters, one_collective_per_group: bool = True) -> IterationTimeline:
@@ -188,7 +249,9 @@ def fit_seed(halvings: int = 60) -> SeedParameters:
     compute = replace(start, encoder_forward_ms=_bisect(async_gap, 0.0, 20.0, halvings))
 
     def cross_gap(factor: float) -> float:
-        return _simulate(cross_row, replace(compute, cross_nic_bandwidth_factor=factor)).iteration_ms - cross_row.seed_ms
+        return (
+            _simulate(cross_row, replace(compute, cross_nic_bandwidth_factor=factor)).iteration_ms - cross_row.seed_ms
+        )
 
     return replace(compute, cross_nic_bandwidth_factor=_bisect(cross_gap, 1.0, 4.0, halvings))
 
@@ -221,14 +284,14 @@ class SeedCalibration:
     results: tuple[SeedResult, ...]
 
 
-def seed_calibration(params: SeedParameters = SEED_PARAMETERS, *,
-                     one_collective_per_group: bool = True) -> SeedCalibration:
+def seed_calibration(
+    params: SeedParameters = SEED_PARAMETERS, *, one_collective_per_group: bool = True
+) -> SeedCalibration:
     """Simulate every row of ``SEED_ROWS`` with ``params`` (the fitted ones by default).
 
     Other ``params`` (a ``contention`` above 1, say) or ``one_collective_per_group=False`` show
     how sensitive the rows are to those choices; nothing is refitted."""
-    results = tuple(SeedResult(row=row, timeline=_simulate(row, params, one_collective_per_group))
-                    for row in SEED_ROWS)
+    results = tuple(SeedResult(row=row, timeline=_simulate(row, params, one_collective_per_group)) for row in SEED_ROWS)
     return SeedCalibration(params=params, one_collective_per_group=one_collective_per_group, results=results)
 
 
@@ -236,8 +299,10 @@ def format_seed_table(calibration: SeedCalibration) -> str:
     """The seed's table beside the simulated one, which numbers are fitted and which predicted,
     and the free parameters."""
     p = calibration.params
-    lines = ["PyTorch PR 106080, 4 nodes x 8 A100, 6 encoder + 6 decoder layers: ms per iteration",
-             f"  {'schedule':<27} {'seed':>6} {'simulated':>10} {'sim/seed':>9}  role"]
+    lines = [
+        "PyTorch PR 106080, 4 nodes x 8 A100, 6 encoder + 6 decoder layers: ms per iteration",
+        f"  {'schedule':<27} {'seed':>6} {'simulated':>10} {'sim/seed':>9}  role",
+    ]
     for r in calibration.results:
         role = "predicted" if r.row.fitted is None else f"fitted: {r.row.fitted}"
         lines.append(f"  {r.row.label:<27} {r.row.seed_ms:>6.0f} {r.simulated_ms:>10.1f} {r.ratio:>9.3f}  {role}")
@@ -252,8 +317,9 @@ def format_seed_table(calibration: SeedCalibration) -> str:
     if calibration.one_collective_per_group:
         lines.append("one collective per process group at a time: no two collectives share a link in these rows")
     else:
-        lines.append("collectives of one process group run concurrently and share links "
-                     "(one_collective_per_group=False)")
+        lines.append(
+            "collectives of one process group run concurrently and share links (one_collective_per_group=False)"
+        )
     if p != SEED_PARAMETERS or not calibration.one_collective_per_group:
         lines.append("(not the fitted configuration; nothing refitted)")
     return "\n".join(lines)

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
-from fsdp_core.sim.iteration import Interval, IterationTimeline, Activity
-from fsdp_core.sim.links import Link
 from fsdp_core.plan.ops import Stream
 from fsdp_core.problems import JsonValue
+from fsdp_core.sim.iteration import Activity, Interval, IterationTimeline
+from fsdp_core.sim.links import Link
 
 __all__ = ["ACTIVITY_MARKS", "format_iteration", "iteration_to_trace"]
 
-ACTIVITY_MARKS: Mapping[Activity, str] = MappingProxyType({
-    Activity.FORWARD_ALL_GATHER: "g",
-    Activity.FORWARD: "f",
-    Activity.BACKWARD_ALL_GATHER: "G",
-    Activity.BACKWARD: "b",
-    Activity.REDUCE_SCATTER: "R",
-    Activity.ALL_REDUCE: "A",
-})
+ACTIVITY_MARKS: Mapping[Activity, str] = MappingProxyType(
+    {
+        Activity.FORWARD_ALL_GATHER: "g",
+        Activity.FORWARD: "f",
+        Activity.BACKWARD_ALL_GATHER: "G",
+        Activity.BACKWARD: "b",
+        Activity.REDUCE_SCATTER: "R",
+        Activity.ALL_REDUCE: "A",
+    }
+)
 """The character ``format_iteration`` draws each activity with."""
 
 _STREAMS = (Stream.COMPUTE, Stream.ALL_GATHER, Stream.POST_BACKWARD, Stream.ALL_REDUCE)
@@ -27,8 +29,9 @@ _STREAMS = (Stream.COMPUTE, Stream.ALL_GATHER, Stream.POST_BACKWARD, Stream.ALL_
 
 def _concurrency(intervals: list[Interval]) -> int:
     """The most of ``intervals`` that run at one instant (touching ends do not overlap)."""
-    events = sorted([(i.start_ms, 1) for i in intervals] + [(i.end_ms, -1) for i in intervals],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted(
+        [(i.start_ms, 1) for i in intervals] + [(i.end_ms, -1) for i in intervals], key=lambda e: (e[0], e[1])
+    )
     most = active = 0
     for _, step in events:
         active += step
@@ -78,8 +81,10 @@ def format_iteration(timeline: IterationTimeline, width: int = 100) -> str:
                 cells[k] = str(min(shared, 9)) if shared > 1 else ACTIVITY_MARKS[here[-1].activity]
         rows.append(f"  {link.value:<14}|{''.join(cells)}|")
     head = f"{timeline.schedule.value}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
-    legend = ("  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
-              "2-9 collectives sharing a link")
+    legend = (
+        "  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
+        "2-9 collectives sharing a link"
+    )
     return "\n".join([head, *rows, legend])
 
 
@@ -99,12 +104,23 @@ def iteration_to_trace(timeline: IterationTimeline, *, name: str | None = None) 
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": stream.value}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     for i in timeline.intervals:
-        events.append({
-            "ph": "X", "name": f"{i.name} {i.activity.value}", "cat": i.activity.value, "pid": pid, "tid": tids[i.stream],
-            "ts": i.start_ms * 1e3, "dur": i.duration_ms * 1e3,
-            "args": {"unit": i.unit, "activity": i.activity.value, "group": None if i.group is None else i.group.value,
-                     "link": None if i.link is None else i.link.value},
-        })
+        events.append(
+            {
+                "ph": "X",
+                "name": f"{i.name} {i.activity.value}",
+                "cat": i.activity.value,
+                "pid": pid,
+                "tid": tids[i.stream],
+                "ts": i.start_ms * 1e3,
+                "dur": i.duration_ms * 1e3,
+                "args": {
+                    "unit": i.unit,
+                    "activity": i.activity.value,
+                    "group": None if i.group is None else i.group.value,
+                    "link": None if i.link is None else i.link.value,
+                },
+            }
+        )
     for link in Link:
         changes: dict[float, int] = {}
         for i in timeline.intervals:
@@ -114,6 +130,7 @@ def iteration_to_trace(timeline: IterationTimeline, *, name: str | None = None) 
         active = 0
         for at in sorted(changes):
             active += changes[at]
-            events.append({"ph": "C", "name": f"{link.value} collectives", "pid": pid, "ts": at * 1e3,
-                           "args": {"active": active}})
+            events.append(
+                {"ph": "C", "name": f"{link.value} collectives", "pid": pid, "ts": at * 1e3, "args": {"active": active}}
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -11,11 +11,10 @@ comparing plans, not a measurement.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
-
-from typing_extensions import assert_never
+from typing import assert_never
 
 from fsdp_core.plan.comm import all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
@@ -108,8 +107,20 @@ def _elementwise_bytes(op: Op) -> int:
             return 2 * op.buffer.nbytes
         case Accumulate():
             return op.src.nbytes + 2 * op.dst.nbytes
-        case (Input() | WaitStream() | RecordStream() | Free() | FreeUnshardedParam() | ReduceScatter()
-              | AllReduce() | CommHookCall() | Offload() | GradViews() | EndOfBackwardWait() | HandOff()):
+        case (
+            Input()
+            | WaitStream()
+            | RecordStream()
+            | Free()
+            | FreeUnshardedParam()
+            | ReduceScatter()
+            | AllReduce()
+            | CommHookCall()
+            | Offload()
+            | GradViews()
+            | EndOfBackwardWait()
+            | HandOff()
+        ):
             return 0
         case _:
             assert_never(op)
@@ -150,14 +161,16 @@ def simulate_timeline(
         hooks = tuple(HookEvent(e, u) for u in range(units) for e in _BACKWARD_EVENTS)
     else:
         if len(unshard.request.backward_order) != units:
-            raise ValueError(f"unshard: the schedule's backward order has {len(unshard.request.backward_order)} "
-                             f"unit(s), expected units={units}")
+            raise ValueError(
+                f"unshard: the schedule's backward order has {len(unshard.request.backward_order)} "
+                f"unit(s), expected units={units}"
+            )
         hooks = tuple(h for h in unshard.request.events if h.event in _BACKWARD_EVENTS)
     volumes = {v.op_index: v for v in comm_volume(plan)}
     gather = all_gather_volume(plan.request)
     gather_seconds = cost.collective_latency + (0 if gather is None else gather.bytes) / cost.shard_link_bandwidth
-    now = {s: 0.0 for s in Stream}
-    busy = {g: 0.0 for g in Group}
+    now = dict.fromkeys(Stream, 0.0)
+    busy = dict.fromkeys(Group, 0.0)
     gathered: dict[int, float] = {}
     out: list[TimelineEntry] = []
     hook = len(plan.hook_ops)
@@ -176,14 +189,25 @@ def simulate_timeline(
                 busy[v.group] = start + duration
             case Offload():
                 duration = op.src.nbytes / cost.host_bandwidth
-            case (Input() | RecordStream() | Free() | FreeUnshardedParam() | Cast() | Pad() | Divide() | Accumulate()
-                  | GradViews() | HandOff()):
+            case (
+                Input()
+                | RecordStream()
+                | Free()
+                | FreeUnshardedParam()
+                | Cast()
+                | Pad()
+                | Divide()
+                | Accumulate()
+                | GradViews()
+                | HandOff()
+            ):
                 duration = _elementwise_bytes(op) / cost.device_bandwidth
             case _:
                 assert_never(op)
         now[stream] = start + duration
-        out.append(TimelineEntry(unit=unit, op_index=index, op=op_name(op), stream=stream,
-                                 start=start, end=start + duration))
+        out.append(
+            TimelineEntry(unit=unit, op_index=index, op=op_name(op), stream=stream, start=start, end=start + duration)
+        )
 
     def hook_actions(event: Event, unit: int) -> None:
         if unshard is None:
@@ -194,8 +218,16 @@ def simulate_timeline(
                 case Gather() if action.unit not in gathered:
                     start = max(now[Stream.ALL_GATHER], issued_at, busy[Group.SHARD])
                     now[Stream.ALL_GATHER] = busy[Group.SHARD] = gathered[action.unit] = start + gather_seconds
-                    out.append(TimelineEntry(unit=action.unit, op_index=-1, op="all_gather", stream=Stream.ALL_GATHER,
-                                             start=start, end=start + gather_seconds))
+                    out.append(
+                        TimelineEntry(
+                            unit=action.unit,
+                            op_index=-1,
+                            op="all_gather",
+                            stream=Stream.ALL_GATHER,
+                            start=start,
+                            end=start + gather_seconds,
+                        )
+                    )
                 case AwaitGather():
                     now[Stream.COMPUTE] = max(now[Stream.COMPUTE], gathered.get(action.unit, 0.0))
                 case Gather() | Reshard():
@@ -209,8 +241,16 @@ def simulate_timeline(
             if backward_seconds > 0:
                 start = now[Stream.COMPUTE]
                 now[Stream.COMPUTE] = start + backward_seconds
-                out.append(TimelineEntry(unit=unit, op_index=-1, op="backward", stream=Stream.COMPUTE,
-                                         start=start, end=start + backward_seconds))
+                out.append(
+                    TimelineEntry(
+                        unit=unit,
+                        op_index=-1,
+                        op="backward",
+                        stream=Stream.COMPUTE,
+                        start=start,
+                        end=start + backward_seconds,
+                    )
+                )
         else:
             for index, op in enumerate(plan.ops[:hook]):
                 run(unit, index, op)
@@ -242,24 +282,29 @@ def format_timeline(entries: tuple[TimelineEntry, ...], width: int = 64) -> str:
             if e.stream is not stream or e.end <= e.start:
                 continue
             lo = min(width - 1, int(e.start * scale))
-            hi = max(lo + 1, min(width, int(round(e.end * scale))))
+            hi = max(lo + 1, min(width, round(e.end * scale)))
             for k in range(lo, hi):
                 cells[k] = _MARKS.get(e.op, "=")
         rows.append(f"  {stream.value:<14}|{''.join(cells)}|")
     legend = "b backward, " + ("G all-gather, " if gathers else "")
-    lines = [f"simulated timeline: {total * 1e3:.3f} ms ({legend}R reduce-scatter, A all-reduce, "
-             f"H comm hook, O offload, = element-wise)"]
+    lines = [
+        f"simulated timeline: {total * 1e3:.3f} ms ({legend}R reduce-scatter, A all-reduce, "
+        f"H comm hook, O offload, = element-wise)"
+    ]
     lines += rows
     for e in entries:
         if e.end > e.start:
             unit = f"unit {e.unit} " if len(units) > 1 else ""
             index = "  -" if e.op_index < 0 else f"{e.op_index:>3}"
-            lines.append(f"  {unit}op{index} {e.op:<15} {e.stream.value:<14} "
-                         f"{e.start * 1e3:9.3f} -> {e.end * 1e3:9.3f} ms")
+            lines.append(
+                f"  {unit}op{index} {e.op:<15} {e.stream.value:<14} {e.start * 1e3:9.3f} -> {e.end * 1e3:9.3f} ms"
+            )
     return "\n".join(lines)
 
 
 def timeline_to_json(entries: tuple[TimelineEntry, ...]) -> list[JsonValue]:
     """Each entry as ``{unit, op_index, op, stream, start, end}``, times in seconds."""
-    return [{"unit": e.unit, "op_index": e.op_index, "op": e.op, "stream": e.stream.value,
-             "start": e.start, "end": e.end} for e in entries]
+    return [
+        {"unit": e.unit, "op_index": e.op_index, "op": e.op, "stream": e.stream.value, "start": e.start, "end": e.end}
+        for e in entries
+    ]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, assert_never
 
 import torch
-from typing_extensions import assert_never
 
 __all__ = [
+    "FLOAT_DTYPES",
+    "HYBRID_STRATEGIES",
     "BackwardPrefetch",
     "CPUOffload",
     "CommHook",
@@ -21,16 +22,13 @@ __all__ = [
     "MixedPrecision",
     "ShardingStrategy",
     "StepFlags",
-    "FLOAT_DTYPES",
-    "HYBRID_STRATEGIES",
     "parse_member",
 ]
 
 _E = TypeVar("_E", bound=enum.Enum)
 
 
-def parse_member(cls: type[_E], text: str, *, argument: str, noun: str, by_value: bool = False,
-                 also: str = "") -> _E:
+def parse_member(cls: type[_E], text: str, *, argument: str, noun: str, by_value: bool = False, also: str = "") -> _E:
     """The member of ``cls`` that ``text`` names: by name (any case, ``-`` for ``_``, a leading
     ``_`` ignored, as in torch's ``_HYBRID_SHARD_ZERO2``) or, with ``by_value``, by value (lower
     case). Otherwise ``ValueError`` naming ``argument`` and listing what is accepted."""
@@ -42,9 +40,7 @@ def parse_member(cls: type[_E], text: str, *, argument: str, noun: str, by_value
     raise ValueError(f"{argument}: unknown {noun} {text!r}; accepted: {accepted}{also}")
 
 
-FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(
-    {torch.float64, torch.float32, torch.float16, torch.bfloat16}
-)
+FLOAT_DTYPES: frozenset[torch.dtype] = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 """Parameter and gradient dtypes the planner accepts."""
 
 
@@ -160,8 +156,7 @@ class MixedPrecision:
         _check_float_dtype("mixed_precision.reduce_dtype", self.reduce_dtype)
         if not isinstance(self.keep_low_precision_grads, bool):
             raise TypeError(
-                "mixed_precision.keep_low_precision_grads: expected a bool, "
-                f"got {self.keep_low_precision_grads!r}"
+                f"mixed_precision.keep_low_precision_grads: expected a bool, got {self.keep_low_precision_grads!r}"
             )
 
     def compute_dtype(self, orig: torch.dtype, *, force_full_precision: bool = False) -> torch.dtype:

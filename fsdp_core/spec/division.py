@@ -11,9 +11,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import assert_never
 
 import torch
-from typing_extensions import assert_never
 
 __all__ = [
     "BackendCaps",

@@ -5,8 +5,8 @@ All arithmetic on offsets, padding and shard bounds is here and nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -51,9 +51,7 @@ class ParamSpec:
         if not isinstance(self.shape, tuple) or not all(isinstance(d, int) for d in self.shape):
             raise TypeError(f"params[{self.name!r}].shape: expected a tuple of ints, got {self.shape!r}")
         if not all(d >= 0 for d in self.shape):
-            raise ValueError(
-                f"params[{self.name!r}].shape: expected a tuple of non-negative ints, got {self.shape!r}"
-            )
+            raise ValueError(f"params[{self.name!r}].shape: expected a tuple of non-negative ints, got {self.shape!r}")
 
     @property
     def numel(self) -> int:
@@ -185,9 +183,7 @@ class ShardingSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, ShardingStrategy):
-            raise TypeError(
-                f"sharding_strategy: expected a ShardingStrategy, got {self.strategy!r}"
-            )
+            raise TypeError(f"sharding_strategy: expected a ShardingStrategy, got {self.strategy!r}")
         for name in ("shard_size", "replicate_size", "rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -224,12 +220,8 @@ class ShardingSpec:
                 )
             return cls(strategy=strategy, shard_size=world_size, rank=rank)
         if world_size % shard_size:
-            raise ValueError(
-                f"shard_size: {shard_size} does not divide world_size {world_size}; accepted: a divisor"
-            )
-        return cls(
-            strategy=strategy, shard_size=shard_size, replicate_size=world_size // shard_size, rank=rank
-        )
+            raise ValueError(f"shard_size: {shard_size} does not divide world_size {world_size}; accepted: a divisor")
+        return cls(strategy=strategy, shard_size=shard_size, replicate_size=world_size // shard_size, rank=rank)
 
     @property
     def num_shards(self) -> int:

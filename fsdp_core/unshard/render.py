@@ -42,8 +42,11 @@ def unshard_to_json(schedule: UnshardSchedule, problems: list[Problem] | None = 
     r = schedule.request
     found = check_unshard(schedule) if problems is None else problems
     steps: list[JsonValue] = [
-        {"event": s.event.value, "unit": s.unit,
-         "actions": [{"action": action_name(a), "unit": a.unit} for a in s.actions]}
+        {
+            "event": s.event.value,
+            "unit": s.unit,
+            "actions": [{"action": action_name(a), "unit": a.unit} for a in s.actions],
+        }
         for s in schedule.steps
     ]
     return {

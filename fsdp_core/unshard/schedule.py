@@ -11,11 +11,10 @@ always safe.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Union
-
-from typing_extensions import assert_never
+from typing import Union, assert_never
 
 from fsdp_core.spec.config import BackwardPrefetch
 from fsdp_core.spec.events import Event, HookEvent
@@ -139,8 +138,10 @@ class UnshardRequest:
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {value!r}")
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
-            raise TypeError("backward_prefetch: expected None or a BackwardPrefetch (BACKWARD_PRE, "
-                            f"BACKWARD_POST), got {self.backward_prefetch!r}")
+            raise TypeError(
+                "backward_prefetch: expected None or a BackwardPrefetch (BACKWARD_PRE, "
+                f"BACKWARD_POST), got {self.backward_prefetch!r}"
+            )
 
     @classmethod
     def chain(
@@ -174,8 +175,10 @@ class UnshardRequest:
         ``backward_order``, each unit's post-backward right after its pre-backward except the
         root's, which comes last."""
         out: list[HookEvent] = []
-        for pre, post, order in ((Event.PRE_FORWARD, Event.POST_FORWARD, self.forward_order),
-                                 (Event.PRE_BACKWARD, Event.POST_BACKWARD, self.backward_order)):
+        for pre, post, order in (
+            (Event.PRE_FORWARD, Event.POST_FORWARD, self.forward_order),
+            (Event.PRE_BACKWARD, Event.POST_BACKWARD, self.backward_order),
+        ):
             for unit in order:
                 out.append(HookEvent(pre, unit))
                 if unit != self.root:
@@ -216,8 +219,9 @@ class UnshardStep:
         if not isinstance(self.event, Event):
             raise TypeError(f"event: expected an Event, got {self.event!r}")
         _check_unit("unit", self.unit)
-        if not isinstance(self.actions, tuple) or not all(isinstance(a, (Gather, AwaitGather, Reshard))
-                                                          for a in self.actions):
+        if not isinstance(self.actions, tuple) or not all(
+            isinstance(a, (Gather, AwaitGather, Reshard)) for a in self.actions
+        ):
             raise TypeError(f"actions: expected a tuple of Gather, AwaitGather and Reshard, got {self.actions!r}")
 
 
@@ -263,8 +267,9 @@ class UnshardSchedule:
         try:
             return self._table[HookEvent(event, unit)]
         except KeyError:
-            raise ValueError(f"unit: expected 0 <= unit < {self.request.units} and an Event, "
-                             f"got {event!r} of unit {unit!r}") from None
+            raise ValueError(
+                f"unit: expected 0 <= unit < {self.request.units} and an Event, got {event!r} of unit {unit!r}"
+            ) from None
 
 
 def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
@@ -288,8 +293,11 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
     forward_next = dict(zip(r.forward_order, r.forward_order[1:])) if r.forward_prefetch else {}
     backward_next = {u: v for u, v in zip(r.backward_order, r.backward_order[1:]) if v not in kept}
     pre_backward_next = backward_next if r.backward_prefetch is BackwardPrefetch.BACKWARD_PRE else {}
-    post_backward_next = ({u: v for u, v in backward_next.items() if u != r.root}
-                          if r.backward_prefetch is BackwardPrefetch.BACKWARD_POST else {})
+    post_backward_next = (
+        {u: v for u, v in backward_next.items() if u != r.root}
+        if r.backward_prefetch is BackwardPrefetch.BACKWARD_POST
+        else {}
+    )
     forward_prefetched = set(forward_next.values())
     backward_prefetched = set(pre_backward_next.values()) | set(post_backward_next.values())
 

@@ -12,11 +12,10 @@ as FSDP1's ``_post_backward_reshard`` reshards before it prefetches.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
-
-from typing_extensions import assert_never
+from typing import assert_never
 
 from fsdp_core.problems import Problem, Rule
 from fsdp_core.spec.events import Event, HookEvent
@@ -32,9 +31,7 @@ class _Held(enum.Enum):
 
 
 _PRE = (Event.PRE_FORWARD, Event.PRE_BACKWARD)
-_USE: Mapping[Event, str] = MappingProxyType(
-    {Event.PRE_FORWARD: "forward", Event.PRE_BACKWARD: "backward"}
-)
+_USE: Mapping[Event, str] = MappingProxyType({Event.PRE_FORWARD: "forward", Event.PRE_BACKWARD: "backward"})
 """What a pre-hook's unit starts running."""
 
 
@@ -115,19 +112,25 @@ class _Sim:
         assert self.hook is not None
         early = sorted(self.ahead - {self.hook.unit})
         if len(early) > 1:
-            self.report(Rule.PREFETCH_DEPTH,
-                        f"units {', '.join(map(str, early))} are all gathered ahead of use; at most one may be")
+            self.report(
+                Rule.PREFETCH_DEPTH,
+                f"units {', '.join(map(str, early))} are all gathered ahead of use; at most one may be",
+            )
 
     def check_forward_reshard(self, unit: int) -> None:
         r = self.schedule.request
         should = r.reshard_after_forward and unit != r.root
         if should and self.held[unit] is not _Held.SHARDED:
-            self.report(Rule.FORWARD_RESHARD, f"unit {unit} keeps its unsharded parameter after forward; "
-                                              "reshard_after_forward says to free it")
+            self.report(
+                Rule.FORWARD_RESHARD,
+                f"unit {unit} keeps its unsharded parameter after forward; reshard_after_forward says to free it",
+            )
         elif not should and self.held[unit] is not _Held.GATHERED:
             why = "it is the root" if unit == r.root else "reshard_after_forward is off"
-            self.report(Rule.FORWARD_RESHARD, f"unit {unit} is not gathered after forward, but {why}: "
-                                              "backward would all-gather it again")
+            self.report(
+                Rule.FORWARD_RESHARD,
+                f"unit {unit} is not gathered after forward, but {why}: backward would all-gather it again",
+            )
 
 
 def check_unshard(schedule: UnshardSchedule) -> list[Problem]:

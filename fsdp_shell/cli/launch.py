@@ -19,7 +19,8 @@ import os
 import queue
 import socket
 import traceback
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -36,8 +37,9 @@ def free_port() -> int:
         return port
 
 
-def _child(rank: int, world: int, port: int, fn: Callable[[int, int, A], R], arg: A, out: "mp.Queue[object]",
-           backend: str) -> None:
+def _child(
+    rank: int, world: int, port: int, fn: Callable[[int, int, A], R], arg: A, out: mp.Queue[object], backend: str
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -60,7 +62,9 @@ def run_world(
     ctx = mp.get_context("spawn")
     out: mp.Queue[object] = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, arg, out, backend), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, fn, arg, out, backend), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, R] = {}

@@ -13,14 +13,14 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 # torch warns at import when NumPy is missing; fsdp-plan never touches NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 import torch  # noqa: E402  (after the warning filter)
 
-from fsdp_core import ( # noqa: E402
+from fsdp_core import (  # noqa: E402
     BackendCaps,
     BackwardPrefetch,
     CommHook,
@@ -49,7 +49,7 @@ from fsdp_core import ( # noqa: E402
     unshard_to_json,
 )
 from fsdp_core.sim import format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
-from fsdp_shell.cli.parser import OneLineErrorParser
+from fsdp_shell.cli.parser import OneLineErrorParser  # noqa: E402
 
 __all__ = ["main", "parse_backward_prefetch", "parse_dtype", "plan_from_args", "unshard_from_args"]
 
@@ -87,7 +87,9 @@ def _numels(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(float(part)) if "e" in part.lower() else int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or a comma-separated list, got {text!r}"
+        ) from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"every numel must be >= 1, got {text!r}")
     return values
@@ -106,40 +108,78 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``fsdp-plan``."""
     p = OneLineErrorParser(prog="fsdp-plan", description="Print FSDP's post-backward plan for one flat parameter.")
-    p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    p.add_argument(
+        "--strategy", default="FULL_SHARD", help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
+    )
     p.add_argument("--world-size", type=_positive, default=8, help="data-parallel ranks (default 8)")
-    p.add_argument("--shard-size", type=_positive, default=None, help="hybrid: ranks per shard group (default: the world size)")
+    p.add_argument(
+        "--shard-size", type=_positive, default=None, help="hybrid: ranks per shard group (default: the world size)"
+    )
     p.add_argument("--rank", type=int, default=0, help="the rank in the shard group whose plan to show (default 0)")
-    p.add_argument("--numel", type=_numels, default=(1001,),
-                   help="elements of the flat parameter, or a comma-separated list, one per original parameter")
-    p.add_argument("--dtype", type=parse_dtype, default=torch.float32, help="the parameters' own dtype (default float32)")
+    p.add_argument(
+        "--numel",
+        type=_numels,
+        default=(1001,),
+        help="elements of the flat parameter, or a comma-separated list, one per original parameter",
+    )
+    p.add_argument(
+        "--dtype", type=parse_dtype, default=torch.float32, help="the parameters' own dtype (default float32)"
+    )
     p.add_argument("--param-dtype", type=parse_dtype, default=None, help="mixed precision: compute dtype")
     p.add_argument("--reduce-dtype", type=parse_dtype, default=None, help="mixed precision: reduction dtype")
     p.add_argument("--keep-low-precision-grads", action="store_true")
     p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
     p.add_argument("--use-orig-params", action="store_true")
-    p.add_argument("--comm-hook", default="none",
-                   help="none, allreduce, reduce_scatter, fp16_compress, bf16_compress, user")
+    p.add_argument(
+        "--comm-hook", default="none", help="none, allreduce, reduce_scatter, fp16_compress, bf16_compress, user"
+    )
     p.add_argument("--no-sync", action="store_true", help="a backward inside no_sync()")
     p.add_argument("--accumulate", action="store_true", help="accumulate into an existing sharded gradient")
-    p.add_argument("--pending-unsharded", action="store_true", help="an unsharded gradient from earlier no_sync backwards exists")
-    p.add_argument("--no-all-reduce", action="store_true", help="hybrid: defer the replicate all-reduce (keep a partial)")
-    p.add_argument("--hybrid-all-reduce", default="async",
-                   help="hybrid: async (default; the all-reduce on its own stream, PyTorch PR 106080) or sync "
-                        "(after the reduce-scatter on the post-backward stream, FSDP1 before it)")
-    p.add_argument("--pending-partial", action="store_true", help="hybrid: a partial reduction from earlier backwards exists")
+    p.add_argument(
+        "--pending-unsharded", action="store_true", help="an unsharded gradient from earlier no_sync backwards exists"
+    )
+    p.add_argument(
+        "--no-all-reduce", action="store_true", help="hybrid: defer the replicate all-reduce (keep a partial)"
+    )
+    p.add_argument(
+        "--hybrid-all-reduce",
+        default="async",
+        help="hybrid: async (default; the all-reduce on its own stream, PyTorch PR 106080) or sync "
+        "(after the reduce-scatter on the post-backward stream, FSDP1 before it)",
+    )
+    p.add_argument(
+        "--pending-partial", action="store_true", help="hybrid: a partial reduction from earlier backwards exists"
+    )
     p.add_argument("--force-full-precision", action="store_true")
     p.add_argument("--division", default="pre_post", choices=[d.value for d in DivisionPolicy])
-    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="backend capabilities for --division in_collective")
-    p.add_argument("--divide-factor", type=float, default=None, help="divide the gradient sum by this instead of the world size")
-    p.add_argument("--units", type=_positive, default=1,
-                   help="timeline: simulate this many equal units' post-backwards back to back (default 1)")
-    p.add_argument("--backward-ms", type=float, default=0.0,
-                   help="timeline: compute-stream backward time between units, in ms (default 0)")
-    p.add_argument("--backward-prefetch", default="BACKWARD_PRE",
-                   help="with --units > 1: BACKWARD_PRE (default), BACKWARD_POST or none")
-    p.add_argument("--forward-prefetch", action="store_true",
-                   help="with --units > 1: prefetch the next unit's parameters in forward")
+    p.add_argument(
+        "--backend", default="nccl", choices=["nccl", "gloo"], help="backend capabilities for --division in_collective"
+    )
+    p.add_argument(
+        "--divide-factor", type=float, default=None, help="divide the gradient sum by this instead of the world size"
+    )
+    p.add_argument(
+        "--units",
+        type=_positive,
+        default=1,
+        help="timeline: simulate this many equal units' post-backwards back to back (default 1)",
+    )
+    p.add_argument(
+        "--backward-ms",
+        type=float,
+        default=0.0,
+        help="timeline: compute-stream backward time between units, in ms (default 0)",
+    )
+    p.add_argument(
+        "--backward-prefetch",
+        default="BACKWARD_PRE",
+        help="with --units > 1: BACKWARD_PRE (default), BACKWARD_POST or none",
+    )
+    p.add_argument(
+        "--forward-prefetch",
+        action="store_true",
+        help="with --units > 1: prefetch the next unit's parameters in forward",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -150,8 +190,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     sharding = ShardingSpec.for_world(strategy, args.world_size, args.shard_size, rank=args.rank)
     numels: tuple[int, ...] = args.numel
     names = ["w"] if len(numels) == 1 else [f"p{i}" for i in range(len(numels))]
-    mp = MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-                        keep_low_precision_grads=args.keep_low_precision_grads)
+    mp = MixedPrecision(
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+        keep_low_precision_grads=args.keep_low_precision_grads,
+    )
     align_dtype = mp.compute_dtype(args.dtype)
     layout = FlatParamLayout.of(
         [(n, (k,)) for n, k in zip(names, numels)], args.dtype, align=args.use_orig_params, align_dtype=align_dtype
@@ -164,8 +207,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         pending_partial=args.pending_partial,
         force_full_precision=args.force_full_precision,
     )
-    division = Division(policy=DivisionPolicy(args.division), backend=BackendCaps.for_backend(args.backend),
-                        factor=args.divide_factor)
+    division = Division(
+        policy=DivisionPolicy(args.division), backend=BackendCaps.for_backend(args.backend), factor=args.divide_factor
+    )
     return plan_post_backward(
         layout,
         sharding,
@@ -187,13 +231,15 @@ def unshard_from_args(args: argparse.Namespace, plan: Plan) -> UnshardSchedule |
     strategy = plan.request.sharding.strategy
     if args.units < 2 or not strategy.is_sharded:
         return None
-    return plan_unshard(UnshardRequest.chain(
-        args.units,
-        reshard_after_forward=strategy.reshards_after_forward,
-        reshard_after_backward=plan.should_free_in_backward,
-        backward_prefetch=prefetch,
-        forward_prefetch=args.forward_prefetch,
-    ))
+    return plan_unshard(
+        UnshardRequest.chain(
+            args.units,
+            reshard_after_forward=strategy.reshards_after_forward,
+            reshard_after_backward=plan.should_free_in_backward,
+            backward_prefetch=prefetch,
+            forward_prefetch=args.forward_prefetch,
+        )
+    )
 
 
 def _verdict(name: str, problems: list[Problem]) -> str:

@@ -16,8 +16,8 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from fsdp_core.sim import (
     SEED_PARAMETERS,
@@ -57,19 +57,35 @@ def _contention(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``fsdp-sim``."""
-    p = OneLineErrorParser(prog="fsdp-sim",
-                           description="Simulate PyTorch PR 106080's FSDP / HSDP iteration times.")
-    p.add_argument("--row", action="append", choices=ROW_KEYS, default=None,
-                   help="show (and trace) only this row's timeline; repeatable (default: every row)")
+    p = OneLineErrorParser(prog="fsdp-sim", description="Simulate PyTorch PR 106080's FSDP / HSDP iteration times.")
+    p.add_argument(
+        "--row",
+        action="append",
+        choices=ROW_KEYS,
+        default=None,
+        help="show (and trace) only this row's timeline; repeatable (default: every row)",
+    )
     p.add_argument("--width", type=_width, default=100, help="columns of the ASCII timelines (default 100)")
     p.add_argument("--no-timeline", action="store_true", help="print the table only")
-    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
-                   help="write a Chrome/Perfetto trace per row to DIR/<row>.json")
-    p.add_argument("--contention", type=_contention, default=SEED_PARAMETERS.contention,
-                   help=f"link contention factor, >= 1 (default {SEED_PARAMETERS.contention:g}: ideal sharing)")
-    p.add_argument("--concurrent-collectives", action="store_true",
-                   help="let one process group's collectives run at once and share links "
-                        "(default: one at a time, as ProcessGroupNCCL)")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write a Chrome/Perfetto trace per row to DIR/<row>.json",
+    )
+    p.add_argument(
+        "--contention",
+        type=_contention,
+        default=SEED_PARAMETERS.contention,
+        help=f"link contention factor, >= 1 (default {SEED_PARAMETERS.contention:g}: ideal sharing)",
+    )
+    p.add_argument(
+        "--concurrent-collectives",
+        action="store_true",
+        help="let one process group's collectives run at once and share links "
+        "(default: one at a time, as ProcessGroupNCCL)",
+    )
     return p
 
 
@@ -100,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             paths = write_traces(calibration, args.trace, keys)
         except OSError as exc:
-            print(f"fsdp-sim: error: --trace: cannot write to {str(args.trace)!r}: {exc.strerror or exc}",
-                  file=sys.stderr)
+            print(
+                f"fsdp-sim: error: --trace: cannot write to {str(args.trace)!r}: {exc.strerror or exc}", file=sys.stderr
+            )
             return 2
         parts.append("traces: " + ", ".join(str(p) for p in paths))
     print("\n\n".join(parts))

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from fsdp_shell.state import checkpoint
-
 from fsdp_shell.fsdp import FullyShardedDataParallel
+from fsdp_shell.state import checkpoint
 from fsdp_shell.state.state_dict import StateDictType
 
 __all__ = ["CheckpointMismatch", "load_checkpoint", "read_meta", "save_checkpoint"]
@@ -35,8 +34,11 @@ def _ensure_state(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             if p not in opt.state or not opt.state[p]:
-                opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                "exp_avg_sq": torch.zeros_like(p)}
+                opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
 
 
 def _state(model: FullyShardedDataParallel, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -50,8 +52,9 @@ def layout_signature(state: dict[str, Any]) -> list[list[object]]:
     return [[name, list(value.shape)] for name, value in state["model"].items()]
 
 
-def save_checkpoint(directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer,
-                    meta: dict[str, object]) -> None:
+def save_checkpoint(
+    directory: Path, model: FullyShardedDataParallel, opt: torch.optim.Optimizer, meta: dict[str, object]
+) -> None:
     """Write a new version of ``directory`` (collective) and make it current only when complete
     (``fsdp_shell.state.checkpoint``): a run killed while saving leaves the previous checkpoint."""
     state = _state(model, opt)

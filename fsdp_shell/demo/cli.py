@@ -18,8 +18,8 @@ import os
 import statistics
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
@@ -35,12 +35,12 @@ from fsdp_core import (  # noqa: E402
     ShardingSpec,
     ShardingStrategy,
 )
+from fsdp_shell.cli.launch import run_world  # noqa: E402
 from fsdp_shell.cli.parser import OneLineErrorParser  # noqa: E402
+from fsdp_shell.demo import models  # noqa: E402
 from fsdp_shell.demo.checkpoint import CheckpointError, read_meta  # noqa: E402
 from fsdp_shell.demo.model import ModelConfig  # noqa: E402
-from fsdp_shell.demo import models  # noqa: E402
 from fsdp_shell.demo.train import DemoConfig, RunResult, check_tolerance, run_rank  # noqa: E402
-from fsdp_shell.cli.launch import run_world  # noqa: E402
 
 __all__ = ["main", "parse_config"]
 
@@ -53,9 +53,12 @@ class BadArgument(ValueError):
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="fsdp-demo", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--strategy", default="FULL_SHARD",
-                   help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
-    p.add_argument("--nproc", type=int, default=2, help="local worker processes to spawn (default 2; ignored under torchrun)")
+    p.add_argument(
+        "--strategy", default="FULL_SHARD", help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=2, help="local worker processes to spawn (default 2; ignored under torchrun)"
+    )
     p.add_argument("--shard-size", type=int, default=None, help="hybrid: ranks per shard group (default: all)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (default 300)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch (default 8)")
@@ -67,8 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--model", default="tiny", choices=list(models.ARCHS),
-                   help="tiny (the demo's own), or a tiny Hugging Face gpt2 / llama (needs transformers)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        choices=list(models.ARCHS),
+        help="tiny (the demo's own), or a tiny Hugging Face gpt2 / llama (needs transformers)",
+    )
     p.add_argument("--layers", type=int, default=3, help="transformer blocks (default 3)")
     p.add_argument("--width", type=int, default=64, help="model width (default 64)")
     p.add_argument("--eval-every", type=int, default=25, help="held-out evaluation interval in steps")
@@ -92,13 +99,19 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
         strategy = ShardingStrategy.parse(a.strategy)
         hook = CommHook.parse(a.comm_hook)
     except ValueError as exc:
-        raise BadArgument(str(exc).replace("sharding_strategy", "--strategy").replace("comm_hook", "--comm-hook")) from None
+        raise BadArgument(
+            str(exc).replace("sharding_strategy", "--strategy").replace("comm_hook", "--comm-hook")
+        ) from None
     if hook is CommHook.USER:
-        raise BadArgument("--comm-hook: user hooks need code; accepted: none, allreduce, reduce_scatter, fp16_compress, bf16_compress")
+        raise BadArgument(
+            "--comm-hook: user hooks need code; accepted: none, allreduce, reduce_scatter, fp16_compress, bf16_compress"
+        )
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else a.nproc
     cpus = os.cpu_count() or 1
     if not _under_torchrun() and not 1 <= a.nproc <= min(MAX_NPROC, 4 * cpus):
-        raise BadArgument(f"--nproc: expected 1..{min(MAX_NPROC, 4 * cpus)} local processes on this {cpus}-CPU machine, got {a.nproc}")
+        raise BadArgument(
+            f"--nproc: expected 1..{min(MAX_NPROC, 4 * cpus)} local processes on this {cpus}-CPU machine, got {a.nproc}"
+        )
     for name in ("steps", "batch_size", "grad_accum", "layers", "width", "eval_every"):
         if getattr(a, name) < 1:
             raise BadArgument(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(a, name)}")
@@ -115,7 +128,9 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
         raise BadArgument(f"--shard-size: only hybrid strategies take a shard size, not {strategy.name}")
     shard = a.shard_size or world
     if strategy.is_hybrid and (shard < 1 or world % shard):
-        raise BadArgument(f"--shard-size: {shard} does not divide the {world} processes; accepted: a divisor of {world}")
+        raise BadArgument(
+            f"--shard-size: {shard} does not divide the {world} processes; accepted: a divisor of {world}"
+        )
     if a.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise BadArgument("--plot: needs matplotlib; install it with pip install '.[plot]'")
     if a.model != "tiny" and importlib.util.find_spec("transformers") is None:
@@ -123,10 +138,24 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
     if a.check and a.resume is not None:
         raise BadArgument("--check: compares a whole run from step 0 with the reference; drop --resume")
     cfg = DemoConfig(
-        strategy=strategy, shard_size=a.shard_size, steps=a.steps, batch_size=a.batch_size,
-        mixed_precision=a.mixed_precision, offload=a.offload, use_orig_params=a.use_orig_params,
-        grad_accum=a.grad_accum, comm_hook=hook, clip=a.clip, seed=a.seed, lr=a.lr, eval_every=a.eval_every,
-        check=a.check, save=a.save, resume=a.resume, profile=a.profile, quiet=a.quiet,
+        strategy=strategy,
+        shard_size=a.shard_size,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        mixed_precision=a.mixed_precision,
+        offload=a.offload,
+        use_orig_params=a.use_orig_params,
+        grad_accum=a.grad_accum,
+        comm_hook=hook,
+        clip=a.clip,
+        seed=a.seed,
+        lr=a.lr,
+        eval_every=a.eval_every,
+        check=a.check,
+        save=a.save,
+        resume=a.resume,
+        profile=a.profile,
+        quiet=a.quiet,
         model=ModelConfig(layers=a.layers, width=a.width, arch=a.model),
     )
     _validate_plan_options(cfg, world)
@@ -153,12 +182,18 @@ def _validate_plan_options(cfg: DemoConfig, world: int) -> None:
     mp = cfg.mixed() or MixedPrecision()
     layout = FlatParamLayout.of([("w", (1,))], torch.float32)
     try:
-        PlanRequest(layout=layout, sharding=ShardingSpec.for_world(cfg.strategy, world, cfg.shard_size),
-                    mixed_precision=mp,
-                    offload=CPUOffload(offload_params=cfg.offload), comm_hook=cfg.comm_hook,
-                    use_orig_params=cfg.use_orig_params)
+        PlanRequest(
+            layout=layout,
+            sharding=ShardingSpec.for_world(cfg.strategy, world, cfg.shard_size),
+            mixed_precision=mp,
+            offload=CPUOffload(offload_params=cfg.offload),
+            comm_hook=cfg.comm_hook,
+            use_orig_params=cfg.use_orig_params,
+        )
     except (ValueError, TypeError) as exc:
-        message = str(exc).replace("comm_hook:", "--comm-hook:").replace("mixed_precision.reduce_dtype", "--mixed-precision")
+        message = (
+            str(exc).replace("comm_hook:", "--comm-hook:").replace("mixed_precision.reduce_dtype", "--mixed-precision")
+        )
         raise BadArgument(message) from None
 
 
@@ -184,19 +219,31 @@ def _summary(cfg: DemoConfig, r: RunResult) -> str:
     median = statistics.median(times) if times else 0.0
     first, last = (r.held_out[0][1], r.held_out[-1][1]) if r.held_out else (float("nan"), float("nan"))
     rows = [
-        ("strategy", f"{cfg.strategy.name} on {r.world} rank(s)" + (f", shard groups of {cfg.shard_size}" if cfg.shard_size else "")),
+        (
+            "strategy",
+            f"{cfg.strategy.name} on {r.world} rank(s)"
+            + (f", shard groups of {cfg.shard_size}" if cfg.shard_size else ""),
+        ),
         ("model", f"{r.params:,} parameters in {r.units} FSDP units"),
         ("steps", f"{r.start_step + 1}..{r.start_step + steps}" if steps else "none"),
         ("train loss", f"{r.losses[0]:.3f} -> {r.losses[-1]:.3f}" if steps else "-"),
         ("held-out loss", f"{first:.3f} -> {last:.3f}"),
         ("step time", f"{median * 1e3:.1f} ms (median)"),
         ("tokens/s", f"{r.tokens_per_step / median:,.0f}" if median else "-"),
-        ("grad comm / step", f"{statistics.mean(r.comm_bytes) / 2**20:.3f} MiB per rank (from the plans that ran)" if steps else "-"),
+        (
+            "grad comm / step",
+            f"{statistics.mean(r.comm_bytes) / 2**20:.3f} MiB per rank (from the plans that ran)" if steps else "-",
+        ),
     ]
     if r.check_diff is not None:
         tol = check_tolerance(cfg)
-        rows.append(("check", f"max |param - reference| = {r.check_diff:.3g} (tolerance {tol:.3g}): "
-                              f"{'OK' if r.check_diff <= tol else 'FAILED'}"))
+        rows.append(
+            (
+                "check",
+                f"max |param - reference| = {r.check_diff:.3g} (tolerance {tol:.3g}): "
+                f"{'OK' if r.check_diff <= tol else 'FAILED'}",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 

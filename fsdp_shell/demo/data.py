@@ -27,8 +27,9 @@ class Corpus:
     held_out: torch.Tensor
     files: int
 
-    def batch(self, *, seed: int, step: int, micro: int, rows: int, seq: int,
-              held_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, *, seed: int, step: int, micro: int, rows: int, seq: int, held_out: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` sequences of ``seq`` input bytes and their next-byte targets."""
         data = self.held_out if held_out else self.train
         g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + micro + (7 if held_out else 0))

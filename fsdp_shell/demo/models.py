@@ -28,18 +28,35 @@ def build(cfg: ModelConfig) -> tuple[nn.Module, type[nn.Module]]:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if cfg.arch == "gpt2":
         gpt2 = importlib.import_module("transformers.models.gpt2.modeling_gpt2")
-        config = gpt2.GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.seq, n_embd=cfg.width, n_layer=cfg.layers,
-                                 n_head=cfg.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                 bos_token_id=0, eos_token_id=0)
+        config = gpt2.GPT2Config(
+            vocab_size=cfg.vocab,
+            n_positions=cfg.seq,
+            n_embd=cfg.width,
+            n_layer=cfg.layers,
+            n_head=cfg.heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model: nn.Module = gpt2.GPT2LMHeadModel(config)
         block: type[nn.Module] = gpt2.GPT2Block
         return model, block
     if cfg.arch == "llama":
         llama = importlib.import_module("transformers.models.llama.modeling_llama")
-        config = llama.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.width, intermediate_size=4 * cfg.width,
-                                   num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                                   num_key_value_heads=max(1, cfg.heads // 2), max_position_embeddings=cfg.seq,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        config = llama.LlamaConfig(
+            vocab_size=cfg.vocab,
+            hidden_size=cfg.width,
+            intermediate_size=4 * cfg.width,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            num_key_value_heads=max(1, cfg.heads // 2),
+            max_position_embeddings=cfg.seq,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         model = llama.LlamaForCausalLM(config)
         block = llama.LlamaDecoderLayer
         return model, block
@@ -48,9 +65,6 @@ def build(cfg: ModelConfig) -> tuple[nn.Module, type[nn.Module]]:
 
 def logits(model: nn.Module, tokens: torch.Tensor, arch: str) -> torch.Tensor:
     """Next-token logits of ``model`` (wrapped or not) for ``tokens``."""
-    if arch == "tiny":
-        out = model(tokens)
-    else:
-        out = model(input_ids=tokens).logits
+    out = model(tokens) if arch == "tiny" else model(input_ids=tokens).logits
     assert isinstance(out, torch.Tensor)
     return out

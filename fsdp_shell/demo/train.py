@@ -1,4 +1,5 @@
-"""The demo's training worker: one rank of an FSDP run of its model (``TinyLM``, GPT-2 or Llama) on standard-library bytes."""
+"""The demo's training worker: one rank of an FSDP run of its model (``TinyLM``, GPT-2 or Llama)
+on standard-library bytes."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from tqdm import tqdm
 from fsdp_core import CommHook, CPUOffload, Group, MixedPrecision, ShardingStrategy
 from fsdp_core.plan.comm import ring_bytes
 from fsdp_shell import comm_hooks
+from fsdp_shell.demo import models
 from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_shell.demo.data import Corpus, load_corpus
-from fsdp_shell.demo import models
 from fsdp_shell.demo.model import ModelConfig, lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
 from fsdp_shell.runtime.log import CollectiveRecord
@@ -119,22 +120,29 @@ def build_model(cfg: DemoConfig, mesh: DeviceMesh, device: torch.device) -> tupl
     module, block = models.build(cfg.model)
     numel = sum(p.numel() for p in module.parameters())
     model = FullyShardedDataParallel(
-        module, sharding_strategy=cfg.strategy, auto_wrap_policy={block}, mixed_precision=cfg.mixed(),
-        cpu_offload=CPUOffload(offload_params=cfg.offload), use_orig_params=cfg.use_orig_params,
-        device_mesh=mesh, device_id=device,
+        module,
+        sharding_strategy=cfg.strategy,
+        auto_wrap_policy={block},
+        mixed_precision=cfg.mixed(),
+        cpu_offload=CPUOffload(offload_params=cfg.offload),
+        use_orig_params=cfg.use_orig_params,
+        device_mesh=mesh,
+        device_id=device,
     )
     _hook(model, cfg.comm_hook)
     return model, numel
 
 
-def _held_out_loss(model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, rank: int, world: int,
-                   device: torch.device) -> float:
+def _held_out_loss(
+    model: torch.nn.Module, corpus: Corpus, cfg: DemoConfig, rank: int, world: int, device: torch.device
+) -> float:
     rows = cfg.batch_size
     total = torch.zeros((), device=device)
     with torch.no_grad():
         for k in range(4):
-            x, y = corpus.batch(seed=cfg.seed, step=10_000 + k, micro=0, rows=rows * world, seq=cfg.model.seq,
-                                held_out=True)
+            x, y = corpus.batch(
+                seed=cfg.seed, step=10_000 + k, micro=0, rows=rows * world, seq=cfg.model.seq, held_out=True
+            )
             x, y = x[rank * rows : (rank + 1) * rows].to(device), y[rank * rows : (rank + 1) * rows].to(device)
             total += lm_loss(models.logits(model, x, cfg.model.arch), y)
     dist.all_reduce(total)
@@ -155,10 +163,19 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
         result.start_step = int(str(meta["step"]))
     rows, seq = cfg.batch_size, cfg.model.seq
     result.tokens_per_step = rows * world * seq * cfg.grad_accum
-    sizes = {Group.SHARD: model.process_group.size(),
-             Group.REPLICATE: 1 if model.replicate_group is None else model.replicate_group.size()}
-    bar = tqdm(total=cfg.steps, initial=result.start_step, disable=rank != 0 or cfg.quiet, unit="step",
-               dynamic_ncols=True, leave=True, mininterval=0.5)
+    sizes = {
+        Group.SHARD: model.process_group.size(),
+        Group.REPLICATE: 1 if model.replicate_group is None else model.replicate_group.size(),
+    }
+    bar = tqdm(
+        total=cfg.steps,
+        initial=result.start_step,
+        disable=rank != 0 or cfg.quiet,
+        unit="step",
+        dynamic_ncols=True,
+        leave=True,
+        mininterval=0.5,
+    )
     profiler = _profiler(cfg, rank)
     with profiler if profiler is not None else contextlib.nullcontext():
         for step in range(result.start_step, cfg.steps):
@@ -186,19 +203,32 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
                 profiler.step()
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step == result.start_step:
                 result.held_out.append((step + 1, _held_out_loss(model, corpus, cfg, rank, world, device)))
-            bar.set_postfix(loss=f"{result.losses[-1]:.3f}", held_out=f"{result.held_out[-1][1]:.3f}",
-                            ms=f"{elapsed * 1e3:.0f}", tok_s=f"{result.tokens_per_step / elapsed:,.0f}",
-                            comm_MB=f"{result.comm_bytes[-1] / 2**20:.2f}")
+            bar.set_postfix(
+                loss=f"{result.losses[-1]:.3f}",
+                held_out=f"{result.held_out[-1][1]:.3f}",
+                ms=f"{elapsed * 1e3:.0f}",
+                tok_s=f"{result.tokens_per_step / elapsed:,.0f}",
+                comm_MB=f"{result.comm_bytes[-1] / 2**20:.2f}",
+            )
             bar.update(1)
     bar.close()
     if cfg.save is not None:
         directory = Path(cfg.save)
         directory.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(directory, model, opt, {
-            "step": cfg.steps, "model": vars(cfg.model), "seed": cfg.seed,
-            "strategy": cfg.strategy.name, "world": world, "mixed_precision": cfg.mixed_precision,
-            "use_orig_params": cfg.use_orig_params,
-        })
+        save_checkpoint(
+            directory,
+            model,
+            opt,
+            {
+                "step": cfg.steps,
+                "model": vars(cfg.model),
+                "seed": cfg.seed,
+                "strategy": cfg.strategy.name,
+                "world": world,
+                "mixed_precision": cfg.mixed_precision,
+                "use_orig_params": cfg.use_orig_params,
+            },
+        )
     if cfg.check:
         full = model.full_state_dict()
         if rank == 0:
@@ -219,8 +249,11 @@ def _profiler(cfg: DemoConfig, rank: int) -> torch.profiler.profile | None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities, on_trace_ready=export,
-                                  schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+    return torch.profiler.profile(
+        activities=activities,
+        on_trace_ready=export,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+    )
 
 
 def reference_params(cfg: DemoConfig, corpus: Corpus, world: int) -> dict[str, torch.Tensor]:

@@ -10,11 +10,11 @@ locally.
 from __future__ import annotations
 
 import warnings
+from typing import assert_never
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _make_nccl_premul_sum
-from typing_extensions import assert_never
 
 from fsdp_core import ReduceKind, ReduceOpSpec
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,19 +118,22 @@ class CpuRuntime:
 
     def _behind(self, keys: tuple[Stream | Group, ...], uses: tuple[torch.Tensor, ...]) -> bool:
         lane = self.lane
-        return (any(not lane.done(self._tail.get(k, 0)) for k in keys)
-                or any(not lane.done(self._last_use.get(id(t), 0)) for t in uses))
+        return any(not lane.done(self._tail.get(k, 0)) for k in keys) or any(
+            not lane.done(self._last_use.get(id(t), 0)) for t in uses
+        )
 
-    def _defer(self, work: Callable[[], object], keys: tuple[Stream | Group, ...],
-               uses: tuple[torch.Tensor, ...]) -> None:
+    def _defer(
+        self, work: Callable[[], object], keys: tuple[Stream | Group, ...], uses: tuple[torch.Tensor, ...]
+    ) -> None:
         ticket = self.lane.submit(work)
         for key in keys:
             self._tail[key] = ticket
         for t in uses:
             self._last_use[id(t)] = ticket
 
-    def _collective(self, stream: Stream, group: Group, issue: Callable[[], Pending | None],
-                    uses: tuple[torch.Tensor, ...]) -> None:
+    def _collective(
+        self, stream: Stream, group: Group, issue: Callable[[], Pending | None], uses: tuple[torch.Tensor, ...]
+    ) -> None:
         keys = (stream, group)
         behind = self._behind(keys, uses)
         if group is Group.REPLICATE or (behind and group in self._lane_issues):
@@ -159,8 +162,9 @@ class CpuRuntime:
             self.drain()
         work()
 
-    def reduce_scatter(self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor,
-                       op: ReduceOpSpec, *, src_dies: bool) -> None:
+    def reduce_scatter(
+        self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
+    ) -> None:
         pg = self._groups.of(group)
         summing_on_gloo = self._gloo and op.kind is ReduceKind.SUM
 
@@ -183,8 +187,15 @@ class CpuRuntime:
 
         self._collective(stream, group, issue, (tensor,))
 
-    def comm_hook(self, stream: Stream, group: Group, call: Callable[[], None], src: torch.Tensor,
-                  out: torch.Tensor, wire_dtype: torch.dtype) -> None:
+    def comm_hook(
+        self,
+        stream: Stream,
+        group: Group,
+        call: Callable[[], None],
+        src: torch.Tensor,
+        out: torch.Tensor,
+        wire_dtype: torch.dtype,
+    ) -> None:
         def issue() -> None:
             self._log.add("comm_hook", group, wire_dtype, src.numel())
             call()
@@ -234,8 +245,9 @@ ALL_TO_ALL_MAX_BYTES = 4 << 20
 """Gloo reduce-scatters of inputs up to this size go by all-to-all (fast, one more buffer)."""
 
 
-def gloo_reduce_scatter(dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, *,
-                        may_overwrite_src: bool) -> Pending:
+def gloo_reduce_scatter(
+    dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, *, may_overwrite_src: bool
+) -> Pending:
     """A summing reduce-scatter on gloo, which has none of its own (torch emulates it with an
     all-reduce of a copy of ``src``: twice the bytes of a reduce-scatter, one more buffer).
 

@@ -10,8 +10,8 @@ is lent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,9 @@ class CudaRuntime:
     def on_host(self, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
         work()
 
-    def reduce_scatter(self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor,
-                       op: ReduceOpSpec, *, src_dies: bool) -> None:
+    def reduce_scatter(
+        self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
+    ) -> None:
         pg = self._groups.of(group)
         with torch.cuda.stream(self.streams[stream]):
             self._log.add("reduce_scatter", group, src.dtype, src.numel())
@@ -71,8 +72,15 @@ class CudaRuntime:
             if work is not None:
                 Pending(work, (tensor,)).wait()
 
-    def comm_hook(self, stream: Stream, group: Group, call: Callable[[], None], src: torch.Tensor,
-                  out: torch.Tensor, wire_dtype: torch.dtype) -> None:
+    def comm_hook(
+        self,
+        stream: Stream,
+        group: Group,
+        call: Callable[[], None],
+        src: torch.Tensor,
+        out: torch.Tensor,
+        wire_dtype: torch.dtype,
+    ) -> None:
         with torch.cuda.stream(self.streams[stream]):
             self._log.add("comm_hook", group, wire_dtype, src.numel())
             call()

@@ -26,8 +26,10 @@ def checked_device_id(device_id: object) -> torch.device | None:
     if device_id.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device_id: {device_id} names a CUDA device, but CUDA is not available here; "
-                             "pass None or torch.device('cpu')")
+            raise ValueError(
+                f"device_id: {device_id} names a CUDA device, but CUDA is not available here; "
+                "pass None or torch.device('cpu')"
+            )
         if device_id.index is not None and not 0 <= device_id.index < count:
             raise ValueError(f"device_id: {device_id} does not exist; this machine has CUDA devices 0..{count - 1}")
     return device_id

@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import assert_never
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from typing_extensions import assert_never
 
 from fsdp_core import BackendCaps, Group, ShardingStrategy
 
@@ -32,7 +31,9 @@ class ProcessGroups:
                 return self.shard
             case Group.REPLICATE:
                 if self.replicate is None:
-                    raise RuntimeError(f"a plan names the replicate group, but {self.shard_size} ranks shard without one")
+                    raise RuntimeError(
+                        f"a plan names the replicate group, but {self.shard_size} ranks shard without one"
+                    )
                 return self.replicate
             case _:
                 assert_never(group)
@@ -158,9 +159,13 @@ def _check_tiling(shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> Non
     s, r = dist.get_process_group_ranks(shard), dist.get_process_group_ranks(replicate)
     world = dist.get_world_size()
     if (shard is replicate and len(s) > 1) or set(s) & set(r) != {me}:
-        raise ValueError(f"process_group: the shard group {s} and the replicate group {r} must share exactly "
-                         f"this rank ({me}); pass (shard_group, replicate_group) from a 2-D layout, e.g. "
-                         "init_device_mesh(..., (replicas, shard_size)).get_group(1), .get_group(0)")
+        raise ValueError(
+            f"process_group: the shard group {s} and the replicate group {r} must share exactly "
+            f"this rank ({me}); pass (shard_group, replicate_group) from a 2-D layout, e.g. "
+            "init_device_mesh(..., (replicas, shard_size)).get_group(1), .get_group(0)"
+        )
     if len(s) * len(r) != world:
-        raise ValueError(f"process_group: shard size {len(s)} x replicate size {len(r)} = {len(s) * len(r)} "
-                         f"ranks, but the world has {world}; the pair must tile the world")
+        raise ValueError(
+            f"process_group: shard size {len(s)} x replicate size {len(r)} = {len(s) * len(r)} "
+            f"ranks, but the world has {world}; the pair must tile the world"
+        )

@@ -10,10 +10,10 @@ as its ``Input`` op comes and holds a buffer only until the plan frees it.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol, assert_never
 
 import torch
-from typing_extensions import assert_never
 
 from fsdp_core import (
     Accumulate,
@@ -82,8 +82,15 @@ class PlanRun:
     runtime holds a collective's operands until it has completed.
     """
 
-    def __init__(self, plan: Plan, runtime: Runtime, owner: PlanOwner, grad: torch.Tensor,
-                 carried: CarriedInputs, comm_hook: CommHookFn | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        runtime: Runtime,
+        owner: PlanOwner,
+        grad: torch.Tensor,
+        carried: CarriedInputs,
+        comm_hook: CommHookFn | None = None,
+    ) -> None:
         self.plan = plan
         self._runtime = runtime
         self._owner = owner
@@ -213,4 +220,5 @@ class PlanRun:
             return
         numel, dtype = op.dst.numel, op.dst.dtype
         self._buffers[op.dst.name] = self._runtime.to_host(
-            op.stream, src, lambda: self._owner.host_grad_buffer(numel, dtype))
+            op.stream, src, lambda: self._owner.host_grad_buffer(numel, dtype)
+        )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 

@@ -11,8 +11,9 @@ runtime can order it after what produces them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,16 +62,24 @@ class Runtime(Protocol):
         """Run ``work`` on the host thread once every earlier work on ``uses`` is done (it hands
         them to autograd or to the optimizer)."""
 
-    def reduce_scatter(self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor,
-                       op: ReduceOpSpec, *, src_dies: bool) -> None:
+    def reduce_scatter(
+        self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
+    ) -> None:
         """Reduce ``src`` over ``group`` and leave this rank's chunk in ``dst``; ``src_dies``:
         nothing reads ``src`` afterwards, so the reduction may overwrite it."""
 
     def all_reduce(self, stream: Stream, group: Group, tensor: torch.Tensor, op: ReduceOpSpec) -> None:
         """Reduce ``tensor`` over ``group`` in place."""
 
-    def comm_hook(self, stream: Stream, group: Group, call: Callable[[], None], src: torch.Tensor,
-                  out: torch.Tensor, wire_dtype: torch.dtype) -> None:
+    def comm_hook(
+        self,
+        stream: Stream,
+        group: Group,
+        call: Callable[[], None],
+        src: torch.Tensor,
+        out: torch.Tensor,
+        wire_dtype: torch.dtype,
+    ) -> None:
         """Run a communication hook (``call``) that reduces ``src`` over ``group`` into ``out``
         (``src`` itself when in place), communicating in ``wire_dtype``."""
 

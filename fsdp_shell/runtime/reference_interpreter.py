@@ -22,15 +22,13 @@ deletes the buffer, so a plan that reads a freed buffer fails here with ``Simula
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import assert_never
 
 import torch
 from torch import Tensor
-from typing_extensions import assert_never
 
-from fsdp_core.spec.config import CommHook
-from fsdp_core.spec.division import ReduceKind, ReduceOpSpec, fsdp1_predivide_factor
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
@@ -54,8 +52,10 @@ from fsdp_core.plan.ops import (
     ReduceScatter,
     WaitStream,
 )
-from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.plan.planner import build_plan
+from fsdp_core.plan.request import Plan, PlanRequest
+from fsdp_core.spec.config import CommHook
+from fsdp_core.spec.division import ReduceKind, ReduceOpSpec, fsdp1_predivide_factor
 
 __all__ = [
     "GradView",
@@ -227,9 +227,7 @@ def simulate(
 
     Raises ``SimulationError`` when the plans cannot run (see that class).
     """
-    geometry = WorldGeometry(
-        shard_size=request.sharding.shard_size, replicate_size=request.sharding.replicate_size
-    )
+    geometry = WorldGeometry(shard_size=request.sharding.shard_size, replicate_size=request.sharding.replicate_size)
     supplied = {
         InputRole.GRAD: grads,
         InputRole.PENDING_UNSHARDED: pending_unsharded,
@@ -344,13 +342,9 @@ def _tensor(state: _RankState, buffer: Buffer) -> Tensor:
     """The live tensor behind ``buffer``; it must match the declaration."""
     t = state.tensors.get(buffer.name)
     if t is None:
-        raise SimulationError(
-            f"rank {state.rank}: {buffer.name} is used but does not exist (never produced, or freed)"
-        )
+        raise SimulationError(f"rank {state.rank}: {buffer.name} is used but does not exist (never produced, or freed)")
     if t.dtype != buffer.dtype or t.numel() != buffer.numel:
-        raise SimulationError(
-            f"rank {state.rank}: {buffer} is declared, but holds {t.numel()} elements of {t.dtype}"
-        )
+        raise SimulationError(f"rank {state.rank}: {buffer} is declared, but holds {t.numel()} elements of {t.dtype}")
     return t
 
 

@@ -56,8 +56,9 @@ def describe(tree: Tree) -> tuple[Field, ...]:
             fields.append((f"unit {index}", "no parameters"))
             continue
         params = ", ".join(f"{p.name}{list(p.shape)}" for p in h.layout.params)
-        fields.append((f"unit {index} parameters", f"{params} ({h.orig_dtype}, requires_grad "
-                                                    f"{h.flat_param.requires_grad})"))
+        fields.append(
+            (f"unit {index} parameters", f"{params} ({h.orig_dtype}, requires_grad {h.flat_param.requires_grad})")
+        )
         request = tree.settings.request(h.request)
         request = dataclasses.replace(request, sharding=dataclasses.replace(request.sharding, rank=0))
         fields.append((f"unit {index} plan request", hashlib.sha256(repr(request).encode()).hexdigest()[:16]))
@@ -92,10 +93,14 @@ def _first_difference(details: list[tuple[int, tuple[Field, ...]]]) -> str:
         values = {rank: (f[i] if i < len(f) else ("(nothing)", "(nothing)")) for rank, f in details}
         if len(set(values.values())) > 1:
             name = next(v[0] for v in values.values() if v[0] != "(nothing)")
-            shown = "; ".join(f"rank {rank}: {_short(v[1] if v[0] == name else f'{v[0]} = {v[1]}')}"
-                              for rank, v in sorted(values.items()))
-            return (f"FSDP: ranks disagree on {name} (checked before the first collective): {shown}. "
-                    "Build the model and FSDP with the same arguments on every rank")
+            shown = "; ".join(
+                f"rank {rank}: {_short(v[1] if v[0] == name else f'{v[0]} = {v[1]}')}"
+                for rank, v in sorted(values.items())
+            )
+            return (
+                f"FSDP: ranks disagree on {name} (checked before the first collective): {shown}. "
+                "Build the model and FSDP with the same arguments on every rank"
+            )
     return "FSDP: ranks disagree (descriptions differ but no field does)"
 
 
@@ -113,7 +118,8 @@ def _check_partition(seen: list[tuple[int, str, list[int], list[int]]]) -> None:
                 if theirs is not None and theirs[slot] != ranks:
                     raise RankMismatchError(
                         f"FSDP: process_group: rank {rank}'s {which} group is {ranks} but rank {member}'s is "
-                        f"{theirs[slot]}; every rank must pass groups from one layout (e.g. one DeviceMesh)")
+                        f"{theirs[slot]}; every rank must pass groups from one layout (e.g. one DeviceMesh)"
+                    )
 
 
 def check_same_events(tree: Tree, events: list[HookEvent]) -> None:
@@ -137,7 +143,8 @@ def check_same_events(tree: Tree, events: list[HookEvent]) -> None:
     raise RankMismatchError(
         "FSDP: ranks ran different FSDP units in this iteration (their collectives may have been paired "
         f"wrongly, so this backward's gradients must not be used): {shown}. Pass ranks_may_diverge=True "
-        "when ranks' models can skip a wrapped module or leave its output unused")
+        "when ranks' models can skip a wrapped module or leave its output unused"
+    )
 
 
 def _units(events: list[HookEvent]) -> str:

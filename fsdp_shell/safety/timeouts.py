@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -31,8 +31,11 @@ _GAVE_UP = re.compile(r"timed out|connection closed by peer|connection reset by 
 def gave_up_waiting(error: BaseException) -> bool:
     """Whether ``error`` is a backend giving up on the other ranks (gloo's timeout or a lost
     peer), rather than a failure of this rank's own work."""
-    return (isinstance(error, RuntimeError) and not isinstance(error, (RankMismatchError, CollectiveTimeoutError))
-            and _GAVE_UP.search(str(error)) is not None)
+    return (
+        isinstance(error, RuntimeError)
+        and not isinstance(error, (RankMismatchError, CollectiveTimeoutError))
+        and _GAVE_UP.search(str(error)) is not None
+    )
 
 
 @contextlib.contextmanager
@@ -45,13 +48,17 @@ def translating_timeouts(step: str, where: str, *, sequenced: bool) -> Iterator[
     except RuntimeError as error:
         if not gave_up_waiting(error):
             raise
-        mode = ("even with ranks_may_diverge=True: a rank stopped, died or is still busy" if sequenced else
-                "a rank stopped, died or is still busy, or the ranks' models took different paths (a wrapped "
-                "module skipped, or its output left unused, on some ranks only: pass ranks_may_diverge=True "
-                "for models that do that)")
+        mode = (
+            "even with ranks_may_diverge=True: a rank stopped, died or is still busy"
+            if sequenced
+            else "a rank stopped, died or is still busy, or the ranks' models took different paths (a wrapped "
+            "module skipped, or its output left unused, on some ranks only: pass ranks_may_diverge=True "
+            "for models that do that)"
+        )
         raise CollectiveTimeoutError(
             f"FSDP: rank {dist.get_rank()} gave up waiting for the other ranks in the {step} of {where}: {mode}. "
-            f"Backend: {_first_line(error)}") from error
+            f"Backend: {_first_line(error)}"
+        ) from error
 
 
 def _first_line(error: BaseException) -> str:

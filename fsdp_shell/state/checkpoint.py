@@ -22,15 +22,23 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-__all__ = ["CURRENT", "CheckpointError", "current_version", "load_checkpoint", "read_meta", "save_checkpoint",
-           "verify_checkpoint"]
+__all__ = [
+    "CURRENT",
+    "CheckpointError",
+    "current_version",
+    "load_checkpoint",
+    "read_meta",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 
 CURRENT = "CURRENT"
 MANIFEST = "manifest.json"
@@ -135,8 +143,9 @@ def verify_checkpoint(directory: Path) -> Path:
     version = current_version(directory)
     manifest = _json(version / MANIFEST)
     if not isinstance(manifest, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
-            for v in manifest.values()):
+        isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+        for v in manifest.values()
+    ):
         raise CheckpointError(f"{version / MANIFEST}: not a manifest of file sizes and checksums")
     present = {p.name for p in version.iterdir() if p.is_file() and p.name != MANIFEST}
     for name in sorted(set(manifest) - present):
@@ -162,8 +171,9 @@ def read_meta(directory: Path) -> dict[str, object]:
     return meta
 
 
-def load_checkpoint(directory: Path, state: dict[str, Any],
-                    verify: Callable[[Path], Path] = verify_checkpoint) -> dict[str, object]:
+def load_checkpoint(
+    directory: Path, state: dict[str, Any], verify: Callable[[Path], Path] = verify_checkpoint
+) -> dict[str, object]:
     """Verify the current version (rank 0, the verdict broadcast) and load it into ``state`` in
     place (a collective); returns its metadata. Raises ``CheckpointError`` on every rank."""
     verdict: list[object] = [None]
@@ -181,8 +191,9 @@ def load_checkpoint(directory: Path, state: dict[str, Any],
         dcp_load(state, checkpoint_id=str(version))
     except Exception as exc:  # noqa: BLE001  (DCP's errors are long; the manifest passed, so say that)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise CheckpointError(f"{version}: verified, but torch.distributed.checkpoint could not load it: "
-                              f"{first[:200]}") from None
+        raise CheckpointError(
+            f"{version}: verified, but torch.distributed.checkpoint could not load it: {first[:200]}"
+        ) from None
     meta = _json(version / META)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{version / META}: expected a JSON object")

@@ -16,8 +16,9 @@ Every function is a collective over the shard group: every rank calls it, in the
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,9 @@ def _is_elementwise(value: object, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def _local_flat(slots: list[_Slot], state: Mapping[torch.Tensor, Mapping[str, object]], key: str,
-                dtype: torch.dtype) -> torch.Tensor:
+def _local_flat(
+    slots: list[_Slot], state: Mapping[torch.Tensor, Mapping[str, object]], key: str, dtype: torch.dtype
+) -> torch.Tensor:
     """This rank's shard of one unit's state ``key``, as a flat tensor (zeros where none)."""
     h = slots[0].handle
     flat = torch.zeros(h.shard_numel, dtype=dtype, device=h.device)
@@ -81,7 +83,7 @@ def _local_flat(slots: list[_Slot], state: Mapping[torch.Tensor, Mapping[str, ob
             continue
         view = h.shard_view(s.indices[0])
         if view is not None:
-            flat[view.offset_in_buffer: view.offset_in_buffer + view.numel].copy_(value.reshape(-1))
+            flat[view.offset_in_buffer : view.offset_in_buffer + view.numel].copy_(value.reshape(-1))
     return flat
 
 
@@ -91,8 +93,13 @@ def _holds_none(slot: _Slot) -> bool:
     return slot.handle.use_orig_params and slot.handle.shard_view(slot.indices[0]) is None
 
 
-def optim_state_dict(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer, settings: StateDictSettings,
-                     mesh: DeviceMesh, rank: int) -> dict[str, Any]:
+def optim_state_dict(
+    handles: Sequence[FlatParamHandle],
+    optim: torch.optim.Optimizer,
+    settings: StateDictSettings,
+    mesh: DeviceMesh,
+    rank: int,
+) -> dict[str, Any]:
     """The optimizer's state by original parameter name, full or (``SHARDED_STATE_DICT``) as
     DTensors (``handles``: every unit's flat parameter that has one)."""
     by_param = _by_param(handles, optim)
@@ -153,19 +160,22 @@ def _present(value: torch.Tensor, settings: StateDictSettings, mesh: DeviceMesh,
     return distribute_tensor(value, mesh, [placement], src_data_rank=None)
 
 
-def optim_state_dict_to_load(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer,
-                             optim_state_dict: Mapping[str, Any]) -> dict[str, Any]:
+def optim_state_dict_to_load(
+    handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any]
+) -> dict[str, Any]:
     """``optim_state_dict`` (full tensors or DTensors by original name) as the state dict
     ``optim.load_state_dict`` takes: this rank's shards, numbered as ``optim.state_dict()``."""
     if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(optim_state_dict):
-        raise TypeError("optim_state_dict: expected a mapping with 'state' and 'param_groups', as "
-                        "FSDP.optim_state_dict returns")
+        raise TypeError(
+            "optim_state_dict: expected a mapping with 'state' and 'param_groups', as FSDP.optim_state_dict returns"
+        )
     by_param = _by_param(handles, optim)
     saved: Mapping[str, Mapping[str, object]] = optim_state_dict["state"]
     saved_groups = optim_state_dict["param_groups"]
     if len(saved_groups) != len(optim.param_groups):
-        raise ValueError(f"optim_state_dict: {len(saved_groups)} parameter groups, the optimizer has "
-                         f"{len(optim.param_groups)}")
+        raise ValueError(
+            f"optim_state_dict: {len(saved_groups)} parameter groups, the optimizer has {len(optim.param_groups)}"
+        )
     current = optim.state_dict()
     out_state: dict[int, dict[str, object]] = {}
     number = 0
@@ -182,8 +192,9 @@ def optim_state_dict_to_load(handles: Sequence[FlatParamHandle], optim: torch.op
     return {"state": out_state, "param_groups": groups}
 
 
-def _load_slot(slot: _Slot, saved: Mapping[str, Mapping[str, object]],
-               gathered: dict[tuple[str, str], torch.Tensor]) -> dict[str, object]:
+def _load_slot(
+    slot: _Slot, saved: Mapping[str, Mapping[str, object]], gathered: dict[tuple[str, str], torch.Tensor]
+) -> dict[str, object]:
     """One optimizer parameter's state from the saved full values (``gathered``: the full
     values of DTensors gathered so far, each gathered once)."""
     h = slot.handle
@@ -193,8 +204,9 @@ def _load_slot(slot: _Slot, saved: Mapping[str, Mapping[str, object]],
     out: dict[str, object] = {}
     for key in keys:
         values = {n: saved.get(n, {}).get(key) for n in shapes}
-        shaped = [n for n, v in values.items()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == shapes[n]]
+        shaped = [
+            n for n, v in values.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == shapes[n]
+        ]
         if not shaped:
             first = next((values[n] for n in mine if values[n] is not None), None)
             if first is not None:
@@ -213,6 +225,6 @@ def _load_slot(slot: _Slot, saved: Mapping[str, Mapping[str, object]],
         if view is None:
             out[key] = torch.zeros_like(slot.param)
         else:
-            piece = local[view.offset_in_buffer: view.offset_in_buffer + view.numel]
+            piece = local[view.offset_in_buffer : view.offset_in_buffer + view.numel]
             out[key] = piece.reshape(slot.param.shape).clone().to(slot.param.device)
     return out

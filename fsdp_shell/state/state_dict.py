@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,11 +64,15 @@ def state_dict_settings(state_dict_type: object, state_dict_config: object = Non
     ``ShardedStateDictConfig`` (or None), checked."""
     name = getattr(state_dict_type, "name", state_dict_type)
     if name == "LOCAL_STATE_DICT":
-        raise ValueError("state_dict_type: LOCAL_STATE_DICT (flat, padded shards) is not offered; "
-                         "use SHARDED_STATE_DICT, which torch.distributed.checkpoint loads at any world size")
+        raise ValueError(
+            "state_dict_type: LOCAL_STATE_DICT (flat, padded shards) is not offered; "
+            "use SHARDED_STATE_DICT, which torch.distributed.checkpoint loads at any world size"
+        )
     if not isinstance(name, str) or name not in StateDictType.__members__:
-        raise ValueError(f"state_dict_type: expected StateDictType.FULL_STATE_DICT or SHARDED_STATE_DICT "
-                         f"(ours or torch.distributed.fsdp's), got {state_dict_type!r}")
+        raise ValueError(
+            f"state_dict_type: expected StateDictType.FULL_STATE_DICT or SHARDED_STATE_DICT "
+            f"(ours or torch.distributed.fsdp's), got {state_dict_type!r}"
+        )
     kind = StateDictType[name]
     offload = _flag(state_dict_config, "offload_to_cpu")
     rank0_only = _flag(state_dict_config, "rank0_only")
@@ -111,10 +116,13 @@ def state_entries(module: nn.Module, param_names: Mapping[int, str]) -> tuple[St
     walked = list(_walk(module, "", param_names))
     final = module.state_dict(keep_vars=True)
     same = len(final) == len(walked) and all(
-        e.kind is EntryKind.EXTRA or value is _value(e) for e, value in zip(walked, final.values()))
+        e.kind is EntryKind.EXTRA or value is _value(e) for e, value in zip(walked, final.values())
+    )
     if not same:
-        raise ValueError("module: its state_dict hooks add, drop or replace entries; FSDP cannot map "
-                         "its state dict onto the sharded parameters")
+        raise ValueError(
+            "module: its state_dict hooks add, drop or replace entries; FSDP cannot map "
+            "its state dict onto the sharded parameters"
+        )
     return tuple(dataclasses.replace(e, key=key) for e, key in zip(walked, final))
 
 
@@ -150,8 +158,9 @@ def _other(entry: StateEntry, offload: bool) -> object:
     return entry.module.get_extra_state()
 
 
-def full_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry], settings: StateDictSettings,
-                    rank: int) -> dict[str, Any]:
+def full_state_dict(
+    handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry], settings: StateDictSettings, rank: int
+) -> dict[str, Any]:
     """Every entry's full value (a collective: every rank calls it, in the same order)."""
     values: dict[str, torch.Tensor] = {}
     for h in handles:
@@ -168,8 +177,9 @@ def full_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateE
     return out
 
 
-def sharded_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry],
-                       settings: StateDictSettings, mesh: DeviceMesh) -> dict[str, Any]:
+def sharded_state_dict(
+    handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry], settings: StateDictSettings, mesh: DeviceMesh
+) -> dict[str, Any]:
     """Parameters as ``DTensor`` s sharded on dim 0 over ``mesh`` (the shard group; replicated
     for ``NO_SHARD``), the rest as in the full state dict. Cuts each parameter from the unit's
     all-gathered flat value, as FSDP1 does."""
@@ -180,8 +190,9 @@ def sharded_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[Sta
             d = distribute_tensor(full, mesh, [placement], src_data_rank=None)
             if settings.offload_to_cpu:
                 local = d.to_local().cpu()
-                d = DTensor.from_local(local, mesh, [placement], run_check=False, shape=full.shape,
-                                       stride=full.stride())
+                d = DTensor.from_local(
+                    local, mesh, [placement], run_check=False, shape=full.shape, stride=full.stride()
+                )
             dtensors[name] = d
     out: dict[str, Any] = {}
     for e in entries:
@@ -189,8 +200,9 @@ def sharded_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[Sta
     return out
 
 
-def load_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry], state_dict: Mapping[str, object],
-                    *, strict: bool) -> _IncompatibleKeys:
+def load_state_dict(
+    handles: Sequence[FlatParamHandle], entries: Sequence[StateEntry], state_dict: Mapping[str, object], *, strict: bool
+) -> _IncompatibleKeys:
     """Load full tensors or ``DTensor`` s (gathered here) under the unwrapped module's keys;
     ``strict`` as ``nn.Module.load_state_dict``. Checked before anything is changed: a value
     that is not a tensor, a shape that differs, a floating-point value for an integer entry or
@@ -211,13 +223,18 @@ def load_state_dict(handles: Sequence[FlatParamHandle], entries: Sequence[StateE
         value = state_dict[e.key]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{e.key!r}]: expected a tensor, got {type(value).__name__}")
-        shape, dtype = ((shapes[e.param], dtypes[e.param]) if e.kind is EntryKind.PARAM
-                        else (tuple(_buffer(e).shape), _buffer(e).dtype))
+        shape, dtype = (
+            (shapes[e.param], dtypes[e.param])
+            if e.kind is EntryKind.PARAM
+            else (tuple(_buffer(e).shape), _buffer(e).dtype)
+        )
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"state_dict[{e.key!r}]: shape {tuple(value.shape)}, expected {tuple(shape)}")
         if value.dtype.is_floating_point != dtype.is_floating_point or value.dtype.is_complex != dtype.is_complex:
-            raise TypeError(f"state_dict[{e.key!r}]: dtype {value.dtype} cannot be loaded into {dtype} "
-                            "(a cast would change its meaning)")
+            raise TypeError(
+                f"state_dict[{e.key!r}]: dtype {value.dtype} cannot be loaded into {dtype} "
+                "(a cast would change its meaning)"
+            )
     given: dict[str, torch.Tensor] = {}
     for e in entries:
         if e.kind is EntryKind.PARAM and e.key in state_dict and e.param not in given:

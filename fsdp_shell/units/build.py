@@ -10,8 +10,8 @@ flattens it).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,7 @@ class UnitSite:
     attr: str
 
 
-def find_units(module: nn.Module, policy: WrapPolicy | None,
-               is_wrapped: Callable[[nn.Module], bool]) -> list[UnitSite]:
+def find_units(module: nn.Module, policy: WrapPolicy | None, is_wrapped: Callable[[nn.Module], bool]) -> list[UnitSite]:
     """The units of ``module`` bottom-up, the root last. Submodules already wrapped
     (``is_wrapped``: an FSDP tree of their own) are left alone with their descendants."""
     found: list[UnitSite] = []
@@ -64,9 +63,18 @@ def param_names(module: nn.Module) -> dict[int, str]:
     return names
 
 
-def build_handles(sites: Sequence[UnitSite], names: Mapping[int, str], options: Options, *, division: Division,
-                  sharding: ShardingSpec, runtime: Runtime, shard_group: dist.ProcessGroup,
-                  device: torch.device, is_wrapped: Callable[[nn.Module], bool]) -> tuple[FlatParamHandle | None, ...]:
+def build_handles(
+    sites: Sequence[UnitSite],
+    names: Mapping[int, str],
+    options: Options,
+    *,
+    division: Division,
+    sharding: ShardingSpec,
+    runtime: Runtime,
+    shard_group: dist.ProcessGroup,
+    device: torch.device,
+    is_wrapped: Callable[[nn.Module], bool],
+) -> tuple[FlatParamHandle | None, ...]:
     """Each site's flat parameter (None for a unit that owns no parameter), in the sites' order."""
     units = {id(s.module) for s in sites}
     owners: dict[int, str] = {}
@@ -77,8 +85,9 @@ def build_handles(sites: Sequence[UnitSite], names: Mapping[int, str], options: 
     return tuple(handles)
 
 
-def _owned_params(module: nn.Module, names: Mapping[int, str], owners: dict[int, str],
-                  is_unit: Callable[[nn.Module], bool]) -> list[tuple[OrigParam, nn.Parameter]]:
+def _owned_params(
+    module: nn.Module, names: Mapping[int, str], owners: dict[int, str], is_unit: Callable[[nn.Module], bool]
+) -> list[tuple[OrigParam, nn.Parameter]]:
     """The parameters ``module`` owns outside nested units, with their unwrapped names, each
     once (a tied parameter with its further registrations as aliases); ``owners`` records which
     unit flattened each one."""
@@ -96,7 +105,8 @@ def _owned_params(module: nn.Module, names: Mapping[int, str], owners: dict[int,
                     f"module: parameter {names[id(p)]} is shared across FSDP units: the unit of "
                     f"{owner!r} flattened it and {type(m).__name__}.{attr} of another unit uses it too; "
                     f"a shared parameter must be used inside one unit, so wrap both uses in one (their "
-                    f"lowest common ancestor), e.g. keep {prefix or 'its module'} out of auto_wrap_policy")
+                    f"lowest common ancestor), e.g. keep {prefix or 'its module'} out of auto_wrap_policy"
+                )
             slots.setdefault(id(p), []).append((m, attr))
             tensors[id(p)] = p
         for child in m.children():
@@ -113,24 +123,41 @@ def _owned_params(module: nn.Module, names: Mapping[int, str], owners: dict[int,
     return out
 
 
-def _handle(owned: list[tuple[OrigParam, nn.Parameter]], options: Options, division: Division,
-            sharding: ShardingSpec, runtime: Runtime, shard_group: dist.ProcessGroup,
-            device: torch.device) -> FlatParamHandle:
+def _handle(
+    owned: list[tuple[OrigParam, nn.Parameter]],
+    options: Options,
+    division: Division,
+    sharding: ShardingSpec,
+    runtime: Runtime,
+    shard_group: dist.ProcessGroup,
+    device: torch.device,
+) -> FlatParamHandle:
     params, tensors = [o for o, _ in owned], [t for _, t in owned]
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise ValueError(f"module: one FSDP unit needs one parameter dtype, got {sorted(map(str, dtypes))}")
     if len({t.requires_grad for t in tensors}) != 1 and not options.use_orig_params:
         frozen = [p.fqn for p, t in owned if not t.requires_grad]
-        raise ValueError(f"module: frozen parameters ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}) "
-                         "beside trainable ones in one FSDP unit need use_orig_params=True (as in FSDP1), "
-                         "or wrap the frozen ones in a unit of their own")
+        raise ValueError(
+            f"module: frozen parameters ({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}) "
+            "beside trainable ones in one FSDP unit need use_orig_params=True (as in FSDP1), "
+            "or wrap the frozen ones in a unit of their own"
+        )
     (dtype,) = dtypes
     compute = options.mixed_precision.compute_dtype(dtype)
-    layout = FlatParamLayout.of([(p.fqn, tuple(t.shape)) for p, t in owned], dtype,
-                                align=options.use_orig_params, align_dtype=compute)
-    request = PlanRequest(layout=layout, sharding=sharding, mixed_precision=options.mixed_precision,
-                          offload=options.offload, comm_hook=CommHook.NONE, division=division,
-                          use_orig_params=options.use_orig_params, hybrid_all_reduce=options.hybrid_all_reduce)
-    return FlatParamHandle(params, tensors, base_request=request, runtime=runtime, shard_group=shard_group,
-                           device=device)
+    layout = FlatParamLayout.of(
+        [(p.fqn, tuple(t.shape)) for p, t in owned], dtype, align=options.use_orig_params, align_dtype=compute
+    )
+    request = PlanRequest(
+        layout=layout,
+        sharding=sharding,
+        mixed_precision=options.mixed_precision,
+        offload=options.offload,
+        comm_hook=CommHook.NONE,
+        division=division,
+        use_orig_params=options.use_orig_params,
+        hybrid_all_reduce=options.hybrid_all_reduce,
+    )
+    return FlatParamHandle(
+        params, tensors, base_request=request, runtime=runtime, shard_group=shard_group, device=device
+    )

@@ -12,9 +12,9 @@ full-size slice gradient per parameter).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -217,8 +217,9 @@ class FlatParamHandle:
         self.flat_param = nn.Parameter(self.local, requires_grad=any(t.requires_grad for t in tensors))
         self._has_frozen = not all(t.requires_grad for t in tensors)
         self._gathers_in_place = self.is_sharded or self.compute_dtype != self.orig_dtype or self.offload
-        self._gathered = torch.empty(self.padded_numel if self._gathers_in_place else 0,
-                                     dtype=self.compute_dtype, device=device)
+        self._gathered = torch.empty(
+            self.padded_numel if self._gathers_in_place else 0, dtype=self.compute_dtype, device=device
+        )
         _free_storage(self._gathered)
         self._state = _Gathered.SHARDED
         self._pending_gather: Pending | None = None
@@ -450,4 +451,3 @@ class FlatParamHandle:
         """Set the local shard from full values of every original parameter."""
         with torch.no_grad():
             self.local.copy_(self.shard_of(values, self.orig_dtype))
-

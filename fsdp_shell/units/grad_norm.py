@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,14 +13,23 @@ from fsdp_shell.units.flat_param import FlatParamHandle
 __all__ = ["clip_grad_norm"]
 
 
-def clip_grad_norm(handles: Sequence[FlatParamHandle], shard_group: dist.ProcessGroup, device: torch.device,
-                   max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
+def clip_grad_norm(
+    handles: Sequence[FlatParamHandle],
+    shard_group: dist.ProcessGroup,
+    device: torch.device,
+    max_norm: float,
+    norm_type: float | str = 2.0,
+) -> torch.Tensor:
     """Scale every gradient the optimizer steps on so their total ``norm_type``-norm across all
     ranks is at most ``max_norm``; returns that total norm (before clipping). Sharded units'
     norms are combined over the shard group, replicated ones counted once. ``ValueError`` /
     ``TypeError`` naming the argument for a bad ``max_norm`` or ``norm_type``."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not math.isfinite(max_norm) \
-            or max_norm < 0:
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float))
+        or not math.isfinite(max_norm)
+        or max_norm < 0
+    ):
         raise ValueError(f"max_norm: expected a finite number >= 0, got {max_norm!r}")
     if norm_type == "inf":
         norm_type = float("inf")

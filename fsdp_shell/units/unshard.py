@@ -13,14 +13,13 @@ the hooks fire.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from typing_extensions import assert_never
+from collections.abc import Sequence
+from typing import assert_never
 
 from fsdp_core import (
-    Event,
     AwaitGather,
     BackwardPrefetch,
+    Event,
     Gather,
     Reshard,
     UnshardRequest,
@@ -48,9 +47,14 @@ class UnshardRunner:
     ) -> None:
         self._handles = handles
         self._base = UnshardRequest(
-            units=len(handles), root=root, forward_order=(), backward_order=(),
-            reshard_after_forward=reshard_after_forward, reshard_after_backward=reshard_after_backward,
-            backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+            units=len(handles),
+            root=root,
+            forward_order=(),
+            backward_order=(),
+            reshard_after_forward=reshard_after_forward,
+            reshard_after_backward=reshard_after_backward,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
         )
         self.schedule: UnshardSchedule = plan_unshard(self._base)
         """On demand until the first iteration has been recorded; then the planned schedule."""
@@ -98,11 +102,14 @@ class UnshardRunner:
         if not self._recording or not self._forward or not self._backward:
             return
         request = UnshardRequest(
-            units=self._base.units, root=self._base.root,
-            forward_order=tuple(self._forward), backward_order=tuple(self._backward),
+            units=self._base.units,
+            root=self._base.root,
+            forward_order=tuple(self._forward),
+            backward_order=tuple(self._backward),
             reshard_after_forward=self._base.reshard_after_forward,
             reshard_after_backward=self._base.reshard_after_backward,
-            backward_prefetch=self._base.backward_prefetch, forward_prefetch=self._base.forward_prefetch,
+            backward_prefetch=self._base.backward_prefetch,
+            forward_prefetch=self._base.forward_prefetch,
         )
         schedule = plan_unshard(request)
         problems = check_unshard(schedule)
