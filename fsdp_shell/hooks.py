@@ -295,7 +295,7 @@ def run_virtually(tree: Tree, event: HookEvent, grad_on: bool) -> None:
 
 
 def _waiting(tree: Tree, unit: int, step: str) -> contextlib.AbstractContextManager[None]:
-    return translating_timeouts(step, tree.where(unit), sequenced=tree.options.ranks_may_diverge)
+    return translating_timeouts(step, functools.partial(tree.where, unit), sequenced=tree.options.ranks_may_diverge)
 
 
 def _tensors_in(out: object) -> Iterator[torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -39,10 +39,11 @@ def gave_up_waiting(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def translating_timeouts(step: str, where: str, *, sequenced: bool) -> Iterator[None]:
-    """FSDP's own collectives of ``step`` in ``where`` (the root, or a unit): a backend that gives
-    up waiting becomes a ``CollectiveTimeoutError``; ``sequenced``: the ranks agree on every
-    event (``ranks_may_diverge``), so divergent paths are not the cause."""
+def translating_timeouts(step: str, where: Callable[[], str], *, sequenced: bool) -> Iterator[None]:
+    """FSDP's own collectives of ``step`` in ``where()`` (the root, or a unit; asked only on a
+    timeout): a backend that gives up waiting becomes a ``CollectiveTimeoutError``;
+    ``sequenced``: the ranks agree on every event (``ranks_may_diverge``), so divergent paths are
+    not the cause."""
     try:
         yield
     except RuntimeError as error:
@@ -56,7 +57,7 @@ def translating_timeouts(step: str, where: str, *, sequenced: bool) -> Iterator[
             "for models that do that)"
         )
         raise CollectiveTimeoutError(
-            f"FSDP: rank {dist.get_rank()} gave up waiting for the other ranks in the {step} of {where}: {mode}. "
+            f"FSDP: rank {dist.get_rank()} gave up waiting for the other ranks in the {step} of {where()}: {mode}. "
             f"Backend: {_first_line(error)}"
         ) from error
 
