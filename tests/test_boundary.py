@@ -53,8 +53,9 @@ def test_the_clis_that_need_no_process_group_load_no_training_runtime() -> None:
     assert out.stdout.strip() == "[] ['fsdp_shell']"
 
 
-def test_only_the_runtime_names_torch_cuda() -> None:
-    """Every device-specific line of the shell is in ``fsdp_shell/runtime/``."""
+def test_only_the_runtime_and_the_demo_name_torch_cuda() -> None:
+    """Every device-specific line of the library is in ``fsdp_shell/runtime/``; the demo, an
+    application on top, picks NCCL and a GPU per rank itself."""
     shell = CORE.parent / "fsdp_shell"
     outside = sorted(
         str(path.relative_to(shell))
