@@ -112,7 +112,7 @@ def _begin_iteration(
         tree.first_forward_done = True
     if tree.iteration.unfinished:
         abandon_backward(tree)
-    tree.runtime.drain()
+    tree.runtime.settle()
     for h in tree.flat_handles:
         h.reclaim(at_forward=True)
     if grad_on:
@@ -202,7 +202,7 @@ def end_of_backward(tree: Tree) -> None:
             with tree.log.during(Phase.END_OF_BACKWARD):
                 for _, run in it.runs:
                     run.run_callback_ops()
-                tree.runtime.drain()
+                tree.runtime.settle()
         finally:
             _finish_units(tree, it)
             tree.iteration = IterationState()

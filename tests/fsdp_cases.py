@@ -83,6 +83,8 @@ class Case:
     hybrid_all_reduce: str = "async"
     divide_factor: float | None = None
     """Divide the summed gradient by this many ranks' worth (FSDP2's set_gradient_divide_factor)."""
+    backward_prefetch: str | None = "BACKWARD_PRE"
+    forward_prefetch: bool = False
 
 
 @dataclass
@@ -184,6 +186,8 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
         use_orig_params=case.use_orig_params,
         division_policy=case.division,
         hybrid_all_reduce=case.hybrid_all_reduce,
+        backward_prefetch=case.backward_prefetch,
+        forward_prefetch=case.forward_prefetch,
     )
     ref_scale = 1.0
     if case.divide_factor is not None:
@@ -304,6 +308,33 @@ def _hook(case: Case, model: FSDP) -> tuple[Callable[..., None], object]:
         "bf16": comm_hooks.bf16_compress_hook,
     }[str(case.hook)]
     return ours, comm_hooks.DefaultState(group)
+
+
+FP32_TOL = 1e-5
+BF16_TOL = 5e-2
+
+
+def check_outcomes(case: Case, outcomes: list[Outcome]) -> None:
+    """Assert what ``case`` promises on every rank: the reference's (and FSDP1's) numbers, no
+    gradient for the unused unit, an exact state-dict round trip, no reduction inside
+    ``no_sync``, the hook called, the clipped norm, the reduce dtype."""
+    tol = BF16_TOL if case.mp is not None or case.hook in ("fp16", "bf16") else FP32_TOL
+    for rank, o in enumerate(outcomes):
+        assert o.ref_diff < tol, f"{case.name} rank {rank}: differs from the reference by {o.ref_diff}"
+        if case.fsdp1:
+            assert o.fsdp1_diff is not None and o.fsdp1_diff < tol, f"{case.name} rank {rank}: vs FSDP1 {o.fsdp1_diff}"
+        assert o.spare_grads_none, f"{case.name}: the unused unit got a gradient"
+        assert o.state_dict_diff == 0.0
+        if case.no_sync:
+            assert o.collectives_in_no_sync == 0, f"{case.name}: {o.collectives_in_no_sync} reductions inside no_sync"
+        if case.hook is not None:
+            assert o.hook_calls > 0, f"{case.name}: the hook was never called"
+        if case.clip is not None:
+            assert o.norm_diff < tol
+        if case.mp == "bf16-reduce":
+            assert o.reduce_dtypes == ["torch.bfloat16"]
+        elif case.mp == "bf16":
+            assert o.reduce_dtypes == ["torch.float32"]
 
 
 def run_cases(rank: int, world: int, cases: tuple[Case, ...]) -> dict[str, Outcome]:

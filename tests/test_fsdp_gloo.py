@@ -12,12 +12,10 @@ import pytest
 
 from fsdp_core import ShardingStrategy
 from tests.dist_harness import run_world
-from tests.fsdp_cases import Case, Outcome, run_cases
+from tests.fsdp_cases import Case, Outcome, check_outcomes, run_cases
 
 FULL, GRAD_OP, NO_SHARD = ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD
 HYBRID, HYBRID2 = ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2
-FP32_TOL = 1e-5
-BF16_TOL = 5e-2
 
 FLAT_CASES: tuple[Case, ...] = (
     *(
@@ -133,7 +131,7 @@ def hybrid_world() -> list[dict[str, Outcome]]:
 @pytest.mark.parametrize("case", WORLD1_CASES, ids=lambda c: c.name)
 def test_world_of_one_with_orig_params(case: Case, world1: list[dict[str, Outcome]]) -> None:
     """One rank holds every parameter whole: gradients must still match the parameters' shapes."""
-    _check(case, [per_rank[case.name] for per_rank in world1])
+    check_outcomes(case, [per_rank[case.name] for per_rank in world1])
 
 
 def test_no_shard_orig_params_keep_their_shapes(flat_world: list[dict[str, Outcome]]) -> None:
@@ -143,31 +141,11 @@ def test_no_shard_orig_params_keep_their_shapes(flat_world: list[dict[str, Outco
     assert all(len(s) == 1 for s in flat_world[0]["FULL_SHARD-origTrue"].param_shapes)
 
 
-def _check(case: Case, outcomes: list[Outcome]) -> None:
-    tol = BF16_TOL if case.mp is not None or case.hook in ("fp16", "bf16") else FP32_TOL
-    for rank, o in enumerate(outcomes):
-        assert o.ref_diff < tol, f"{case.name} rank {rank}: differs from the reference by {o.ref_diff}"
-        if case.fsdp1:
-            assert o.fsdp1_diff is not None and o.fsdp1_diff < tol, f"{case.name} rank {rank}: vs FSDP1 {o.fsdp1_diff}"
-        assert o.spare_grads_none, f"{case.name}: the unused unit got a gradient"
-        assert o.state_dict_diff == 0.0
-        if case.no_sync:
-            assert o.collectives_in_no_sync == 0, f"{case.name}: {o.collectives_in_no_sync} reductions inside no_sync"
-        if case.hook is not None:
-            assert o.hook_calls > 0, f"{case.name}: the hook was never called"
-        if case.clip is not None:
-            assert o.norm_diff < tol
-        if case.mp == "bf16-reduce":
-            assert o.reduce_dtypes == ["torch.bfloat16"]
-        elif case.mp == "bf16":
-            assert o.reduce_dtypes == ["torch.float32"]
-
-
 @pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: c.name)
 def test_flat_strategies_train_like_the_reference(case: Case, flat_world: list[dict[str, Outcome]]) -> None:
-    _check(case, [per_rank[case.name] for per_rank in flat_world])
+    check_outcomes(case, [per_rank[case.name] for per_rank in flat_world])
 
 
 @pytest.mark.parametrize("case", HYBRID_CASES, ids=lambda c: c.name)
 def test_hybrid_strategies_train_like_the_reference(case: Case, hybrid_world: list[dict[str, Outcome]]) -> None:
-    _check(case, [per_rank[case.name] for per_rank in hybrid_world])
+    check_outcomes(case, [per_rank[case.name] for per_rank in hybrid_world])

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core import MixedPrecision, ShardingStrategy, Stream
 from fsdp_shell import FSDP
-from fsdp_shell.runtime.cuda import CudaRuntime
+from fsdp_shell.runtime.accelerator import AcceleratorRuntime
 from tests.dist_harness import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -91,13 +91,13 @@ def _slow_stream(model: FSDP, stream: Stream) -> None:
     """Enqueue ~20 ms of sleep before every op and collective on ``stream``, so the streams that
     hand it buffers run far ahead and reuse freed memory as early as the allocator allows."""
     runtime = model._tree.runtime
-    assert isinstance(runtime, CudaRuntime)
+    assert isinstance(runtime, AcceleratorRuntime)
     slow = runtime.streams[stream]
 
     def slowed(method: Callable[..., None]) -> Callable[..., None]:
         def run(on: Stream, *args: Any, **kwargs: Any) -> None:
             if on is stream:
-                with torch.cuda.stream(slow):
+                with slow:
                     torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # unannotated in torch
             method(on, *args, **kwargs)
 
@@ -112,13 +112,13 @@ def test_world_size_1_nccl_trains_like_a_plain_model(nccl_world: None, strategy:
     assert _train(strategy) < 1e-5
 
 
-def test_plan_streams_are_distinct_cuda_streams(nccl_world: None) -> None:
+def test_plan_streams_are_distinct_device_streams(nccl_world: None) -> None:
     model = FSDP(Deep().cuda(), device_id=torch.device("cuda", 0))
     runtime = model._tree.runtime
-    assert isinstance(runtime, CudaRuntime)
+    assert isinstance(runtime, AcceleratorRuntime)
     cuda = {s: runtime.streams[s] for s in Stream}
-    assert len({id(c) for c in cuda.values()}) == len(Stream)
-    assert cuda[Stream.COMPUTE] == torch.cuda.current_stream()
+    assert len({c.stream_id for c in cuda.values()}) == len(Stream)
+    assert cuda[Stream.COMPUTE].stream_id == torch.cuda.current_stream().stream_id
 
 
 @pytest.mark.parametrize(

@@ -223,6 +223,9 @@ class CpuRuntime:
         self._last_use.clear()
         self.lane.drain()
 
+    def settle(self) -> None:
+        self.drain()
+
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         self._log.add("all_gather", Group.SHARD, out.dtype, out.numel())
         work = all_gather_flat(out, src, self._groups.gather_group, async_op=True)

@@ -4,7 +4,8 @@ of an issued collective.
 The interpreter (``fsdp_shell.runtime.interpreter``) turns each plan op into one call of a
 ``Runtime``; the flat parameters ask it for their all-gathers and host buffers. Nothing else in
 the shell knows how a device orders work: ``CpuRuntime`` (``runtime.cpu``) runs it on the host
-thread or on one lane thread, ``CudaRuntime`` (``runtime.cuda``) enqueues it on CUDA streams.
+thread or on one lane thread, ``AcceleratorRuntime`` (``runtime.accelerator``) enqueues it on
+device streams.
 Every call names the plan stream the work belongs to and the tensors it reads or writes, so a
 runtime can order it after what produces them.
 """
@@ -16,11 +17,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from fsdp_core import Group, ReduceOpSpec, Stream
 
-__all__ = ["Pending", "Runtime"]
+__all__ = ["Pending", "Runtime", "Waitable"]
+
+
+class Waitable(Protocol):
+    """What an issued collective is waited on through: a ``torch.distributed`` ``Work``, or on an
+    accelerator an event the current stream waits for."""
+
+    def wait(self) -> object:
+        """Until the result is in place (on an accelerator: for the current stream)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -30,7 +38,7 @@ class Pending:
     step that completes the result once the transfer has landed (for example summing received
     chunks). ``wait`` blocks the host (on CUDA: the current stream) until the result is in place."""
 
-    work: dist.Work
+    work: Waitable
     operands: tuple[torch.Tensor, ...] = ()
     then: Callable[[], None] | None = None
 
@@ -101,6 +109,12 @@ class Runtime(Protocol):
 
     def drain(self) -> None:
         """Block until all work issued so far has completed; raise what failed out of order."""
+
+    def settle(self) -> None:
+        """Where work runs out of program order on the host (the CPU lane): block until it has
+        run and raise what failed. A device whose streams order its work returns at once: the
+        plans' waits order it for the device, and the host does not wait for the device (only
+        for host copies, at the end of backward)."""
 
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         """Issue the all-gather of every shard-group rank's ``src`` into ``out`` (a unit's

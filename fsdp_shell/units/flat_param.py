@@ -132,10 +132,11 @@ def _free_storage(t: torch.Tensor) -> None:
 
 
 def _alloc_storage(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    want = t.numel() * t.element_size()
-    if storage.size() != want:
-        storage.resize_(want)
+    """Regrow ``t``'s storage in place (views of it stay valid), through the dispatcher
+    (``Tensor.resize_``), so tools that watch ops see the allocation on the current stream."""
+    if t.untyped_storage().size() != t.numel() * t.element_size():
+        shape = t.shape
+        t.resize_(0).resize_(shape)
 
 
 def set_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
