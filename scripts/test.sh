@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command: install what the project needs (fast when already there), then lint and
-# check the formatting with ruff, type-check everything with mypy --strict and run the tests.
+# check the formatting with ruff, type-check everything with mypy --strict, run the tests under
+# coverage.py (also in the spawned gloo ranks and the CLIs' subprocesses) and print the line
+# coverage of fsdp_core and fsdp_shell with the lines no test runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --disable-pip-version-check -q torch==2.13.0
@@ -8,4 +10,11 @@ python -m pip install --disable-pip-version-check -q -e ".[dev,plot]"
 python -m ruff check .
 python -m ruff format --check .
 python -m mypy
-python -m pytest -q "$@"
+rm -rf .coverage-data && mkdir -p .coverage-data
+export COVERAGE_FILE="$PWD/.coverage-data/coverage"
+python -m coverage run -m pytest -q "$@"
+python -m coverage combine -q
+python -m coverage report
+core=$(python -m coverage report --include='*/fsdp_core/*' --format=total)
+shell=$(python -m coverage report --include='*/fsdp_shell/*' --format=total)
+echo "line coverage: fsdp_core ${core}%, fsdp_shell ${shell}% (lines only a real device runs: docs/design.md)"

@@ -85,6 +85,9 @@ class Case:
     """Divide the summed gradient by this many ranks' worth (FSDP2's set_gradient_divide_factor)."""
     backward_prefetch: str | None = "BACKWARD_PRE"
     forward_prefetch: bool = False
+    device: str = "cpu"
+    """Where the models and batches live: ``cpu``, or ``cuda`` (every rank on device 0, for
+    ``scripts/gpu_check.sh``)."""
 
 
 @dataclass
@@ -103,9 +106,10 @@ class Outcome:
     ref_shapes: list[tuple[int, ...]] = field(default_factory=list)
 
 
-def _data(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(step: int, micro: int, world: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(world * BATCH, 6, generator=g), torch.randn(world * BATCH, 1, generator=g)
+    x, y = torch.randn(world * BATCH, 6, generator=g), torch.randn(world * BATCH, 1, generator=g)
+    return x.to(device), y.to(device)
 
 
 def _mp(case: Case) -> tuple[MixedPrecision | None, TorchMixedPrecision | None]:
@@ -121,10 +125,10 @@ def _mp(case: Case) -> tuple[MixedPrecision | None, TorchMixedPrecision | None]:
 def _groups(case: Case, world: int) -> tuple[tuple[dist.ProcessGroup, dist.ProcessGroup] | None, DeviceMesh | None]:
     """(process_group, device_mesh) for the case: hybrid as a 2-D mesh or a (shard, replicate) pair."""
     if case.hybrid == "mesh1d":
-        return None, init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        return None, init_device_mesh(case.device, (world,), mesh_dim_names=("shard",))
     if not case.strategy.is_hybrid:
         return None, None
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(case.device, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     if case.hybrid == "mesh":
         return None, mesh
     return (mesh.get_group(1), mesh.get_group(0)), None
@@ -154,7 +158,7 @@ def _step_model(
 ) -> None:
     micro = case.no_sync + case.accumulate
     for m in range(micro):
-        x, y = _data(step, m, world)
+        x, y = _data(step, m, world, case.device)
         if rank >= 0:
             x, y = x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
         in_no_sync = m < case.no_sync and no_sync is not None
@@ -169,9 +173,9 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     """Train ``case`` here and measure it against the reference and FSDP1."""
     outcome = Outcome()
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net().to(case.device)
     init = {k: v.clone() for k, v in ref.state_dict().items()}
-    ours_module = Net()
+    ours_module = Net().to(case.device)
     ours_module.load_state_dict(init)
     mp, torch_mp = _mp(case)
     pg, mesh = _groups(case, world)
@@ -188,6 +192,7 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
         hybrid_all_reduce=case.hybrid_all_reduce,
         backward_prefetch=case.backward_prefetch,
         forward_prefetch=case.forward_prefetch,
+        device_id=None if case.device == "cpu" else torch.device(case.device, 0),
     )
     ref_scale = 1.0
     if case.divide_factor is not None:

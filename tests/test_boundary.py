@@ -53,13 +53,16 @@ def test_the_clis_that_need_no_process_group_load_no_training_runtime() -> None:
     assert out.stdout.strip() == "[] ['fsdp_shell']"
 
 
-def test_only_the_runtime_and_the_demo_name_torch_cuda() -> None:
-    """Every device-specific line of the library is in ``fsdp_shell/runtime/``; the demo, an
-    application on top, picks NCCL and a GPU per rank itself."""
+def test_only_the_runtime_names_torch_cuda() -> None:
+    """Every device-specific line of the library is in ``fsdp_shell/runtime/``, and none of it
+    names CUDA: the accelerator runtime is written against torch's device-generic API, and the
+    demo picks the backend and a device per rank through ``torch.accelerator``."""
     shell = CORE.parent / "fsdp_shell"
     outside = sorted(
         str(path.relative_to(shell))
         for path in shell.rglob("*.py")
-        if "torch.cuda" in path.read_text() and path.relative_to(shell).parts[0] not in ("runtime", "demo")
+        if "torch.cuda" in path.read_text() and path.relative_to(shell).parts[0] != "runtime"
     )
     assert outside == []
+    runtime = sorted(p.name for p in (shell / "runtime").glob("*.py") if "torch.cuda" in p.read_text())
+    assert runtime == []

@@ -280,9 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fsdp-demo: error: --resume: {exc}", file=sys.stderr)
         return 1
     if _under_torchrun():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        backend = "gloo" if accelerator is None else dist.get_default_backend_for_device(accelerator)
+        if accelerator is not None:
+            torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, init_method="env://")
         try:
             result = run_rank(dist.get_rank(), dist.get_world_size(), cfg)

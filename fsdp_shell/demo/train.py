@@ -247,8 +247,9 @@ def _profiler(cfg: DemoConfig, rank: int) -> torch.profiler.profile | None:
         prof.export_chrome_trace(str(directory / f"trace_rank{rank}.json"))
 
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None and accelerator.type.upper() in torch.profiler.ProfilerActivity.__members__:
+        activities.append(torch.profiler.ProfilerActivity.__members__[accelerator.type.upper()])
     return torch.profiler.profile(
         activities=activities,
         on_trace_ready=export,

@@ -81,7 +81,7 @@ class Device(Protocol[S, E]):
         """Whether ``tensor`` lives on this device (not on the host)."""
 
 
-class TorchDevice:
+class TorchDevice:  # pragma: no cover  (needs an accelerator; docs/design.md lists what only one runs)
     """A PyTorch accelerator through ``torch.Stream``, ``torch.Event`` and ``torch.accelerator``."""
 
     def __init__(self, device: torch.device) -> None:
