@@ -7,8 +7,8 @@ runs each stream's work whenever it likes within the waits it was given, would p
 ``StreamChecker`` (a ``TorchDispatchMode``, as ``torch.cuda._sanitizer`` is) sees every ATen and
 c10d op, with the stream current when it was issued, and keeps a vector clock per stream: the
 last op of every stream that this stream is ordered after (a stream is ordered after its own
-earlier ops, after everything the host issued before, and after what ``wait_stream``,
-``wait_event`` made it wait for). Per storage it keeps the op that last wrote it, the ops that
+earlier ops, after everything the host did or waited for before issuing to it, and after what
+``wait_stream``, ``wait_event`` made it wait for). Per storage it keeps the op that last wrote it, the ops that
 read it since, the stream it was allocated on and the streams it was recorded on. It raises
 ``StreamRaceError``, naming the op and the buffer, on
 
@@ -152,8 +152,9 @@ class StreamChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # Torc
             stack.pop()
 
     def _issue(self, stream: CheckedStream) -> None:
-        """The host issues work to ``stream``: it is ordered after everything the host did."""
-        stream.absorb({HOST: self.host.seen[HOST]})
+        """The host issues work to ``stream``: it is ordered after everything the host did and
+        everything the host had waited for."""
+        stream.absorb(self.host.seen)
 
     def wait_stream(self, stream: CheckedStream, waits_for: CheckedStream) -> None:
         self._issue(stream)

@@ -7,7 +7,8 @@ device (gloo underneath): every strategy, flat and ``use_orig_params``, mixed pr
 offload, ``no_sync`` and accumulation, comm hooks, every backward-prefetch mode and forward
 prefetch, hybrid sync and async, the division policies, and the state-dict round trip, each
 against the same single-process reference, with no use the streams leave unordered. (FSDP1 is
-left out of these runs: the first run compares against it.) Last, mutation tests: with one
+left out of these runs: the first run compares against it.) The state-dict semantics and the
+recovery from a step that fails inside backward run on it too. Last, mutation tests: with one
 synchronisation removed from the runtime or the plan, the checker raises.
 """
 
@@ -20,15 +21,21 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fsdp_core import Op, RecordStream, Stream, WaitStream
 from fsdp_shell.runtime import accelerator
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime
+from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.interpreter import PlanRun
+from fsdp_shell.runtime.log import CollectiveLog
 from tests.checked_streams import CheckedDevice, StreamChecker, StreamRaceError, checked_streams
 from tests.dist_harness import run_world
+from tests.fault_cases import recovery
 from tests.fsdp_cases import Case, Outcome, check_outcomes, run_cases
+from tests.state_dict_cases import semantics
 from tests.test_fsdp_gloo import FLAT_CASES, HYBRID_CASES
+from tests.test_state_dict_gloo import check_semantics
 
 # -- the rules, on the smallest programs -------------------------------------------------------
 
@@ -161,6 +168,51 @@ def test_flat_cases_on_the_checked_device(case: Case, checked_flat: Checked) -> 
 def test_hybrid_cases_on_the_checked_device(case: Case, checked_hybrid: Checked) -> None:
     check_outcomes(case, [outcomes[case.name] for outcomes, _, _ in checked_hybrid])
     assert all(runtimes == len(CHECKED_HYBRID) and ops > 10_000 for _, runtimes, ops in checked_hybrid)
+
+
+def checked_semantics(rank: int, world: int, _: None) -> tuple[dict[str, object], int]:
+    """``state_dict_cases.semantics`` (``state_dict``/``load_state_dict`` as on the unwrapped
+    module: keys, tied weights, ``rank0_only``, partial and strict loads) on the checked device."""
+    with checked_streams() as checker:
+        return semantics(rank, world, None), checker.runtimes
+
+
+def test_state_dicts_on_the_checked_device() -> None:
+    per_rank = run_world(2, checked_semantics, None, timeout=120)
+    check_semantics([out for out, _ in per_rank])
+    assert all(runtimes > 0 for _, runtimes in per_rank)
+
+
+def checked_recovery(rank: int, world: int, use_orig_params: bool) -> tuple[float, int]:
+    """``fault_cases.recovery`` (a step failing in the loss, one in a comm hook inside backward,
+    then training on) on the checked device: the abandoned backward's buffers included."""
+    with checked_streams() as checker:
+        return recovery(rank, world, use_orig_params), checker.runtimes
+
+
+def test_a_failed_step_on_the_checked_device_leaves_the_wrapper_usable() -> None:
+    for diff, runtimes in run_world(2, checked_recovery, True, timeout=120):
+        assert diff <= 1e-6 and runtimes > 0
+
+
+def host_copies(rank: int, world: int, _: None) -> tuple[bool, float]:
+    """The runtime's ``to_host``: a host tensor comes back as it is; a device tensor is copied
+    into the buffer, and the host reads it once ``drain`` has synchronized every stream."""
+    with checked_streams() as checker:
+        device = CheckedDevice(checker)
+        groups = ProcessGroups(dist.distributed_c10d._get_default_group(), None)
+        runtime = AcceleratorRuntime(groups, CollectiveLog(), device)
+        host = device.pinned_empty(4, torch.float32)
+        kept = runtime.to_host(Stream.POST_BACKWARD, host, lambda: torch.empty(0)) is host
+        src = torch.full((4,), 2.0)
+        runtime.wait_stream(Stream.POST_BACKWARD, Stream.COMPUTE)
+        copied = runtime.to_host(Stream.POST_BACKWARD, src, lambda: device.pinned_empty(4, torch.float32))
+        runtime.drain()
+        return kept, float(copied.sum())
+
+
+def test_to_host_keeps_host_tensors_and_drain_lets_the_host_read_copies() -> None:
+    assert run_world(1, host_copies, None, timeout=60) == [(True, 8.0)]
 
 
 # -- mutations: one synchronisation removed, the checker raises ---------------------------------

@@ -7,7 +7,12 @@ from tests.state_dict_cases import semantics
 
 
 def test_state_dict_has_the_unwrapped_modules_semantics() -> None:
-    for rank, out in enumerate(run_world(2, semantics, None, timeout=120)):
+    check_semantics(run_world(2, semantics, None, timeout=120))
+
+
+def check_semantics(per_rank: list[dict[str, object]]) -> None:
+    """What ``semantics`` measured on each rank of a world of 2."""
+    for rank, out in enumerate(per_rank):
         assert out["keys"] is True  # persistent buffers only, _extra_state, both names of the tied weight
         assert out["extra"] == {"calls": 1}
         assert out["tied"] is True and out["loaded"] is True
