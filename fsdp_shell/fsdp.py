@@ -52,8 +52,11 @@ class FullyShardedDataParallel(nn.Module):
     - ``sharding_strategy``: a ``ShardingStrategy`` (ours or torch's, mapped by name).
     - ``cpu_offload``: ``CPUOffload(offload_params=True)`` keeps the sharded parameter and its
       gradient on the CPU, where the optimizer steps; works with gloo on CPU too.
-    - ``auto_wrap_policy``: a set of ``nn.Module`` classes, a ``callable(module) -> bool``, or
-      torch's ``ModuleWrapPolicy``; each matching submodule becomes a unit of its own.
+    - ``auto_wrap_policy``: a set of ``nn.Module`` classes, a ``callable(module) -> bool``,
+      FSDP1's ``callable(module, recurse, nonwrapped_numel) -> bool`` (torch's
+      ``transformer_auto_wrap_policy``, ``size_based_auto_wrap_policy``,
+      ``lambda_auto_wrap_policy`` as ``functools.partial``), or torch's ``ModuleWrapPolicy`` or
+      ``CustomPolicy``; the units are chosen as FSDP1 chooses them.
     - ``mixed_precision``: compute in ``param_dtype``; reduce in ``reduce_dtype`` (or
       ``param_dtype``); the optimizer gets gradients in the original dtype unless
       ``keep_low_precision_grads``. Floating-point inputs of the root are cast to ``param_dtype``.
@@ -172,6 +175,21 @@ class FullyShardedDataParallel(nn.Module):
         reshard (``FULL_SHARD``/``HYBRID_SHARD``, non-root) and hook the outputs so backward
         re-gathers first (``fsdp_shell.hooks.forward``)."""
         return hooks.forward(self._tree, self._index, self.module, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """FSDP1's fall-through: what the wrapper does not have is the wrapped module's
+        (``model.config`` of a Hugging Face model, a submodule, a plain attribute)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self.__dict__.get("_modules", {}).get("module")
+            if wrapped is None or name == "module":
+                raise
+            return getattr(wrapped, name)
+
+    def __getitem__(self, key: int) -> Any:
+        """FSDP1's indexing of a wrapped ``nn.Sequential`` or ``nn.ModuleList``."""
+        return self.module[key]  # type: ignore[index]  # only Sequential-like modules are subscriptable, as in FSDP1
 
     # -- configuration --------------------------------------------------------------------------
 

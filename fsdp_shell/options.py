@@ -3,11 +3,12 @@
 ``parse_options`` checks every argument that needs no process group (``ValueError``/``TypeError``
 naming it) and returns one frozen ``Options``. ``torch.distributed.fsdp``'s config objects are
 accepted as well as fsdp_core's, mapped by name (``to_*``); ``wrap_policy`` turns
-``auto_wrap_policy`` into a predicate on modules.
+``auto_wrap_policy`` into FSDP1's policy protocol (or torch's policy object).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from fsdp_core import (
 
 __all__ = [
     "Options",
+    "SubtreePolicy",
+    "TargetPolicy",
     "WrapPolicy",
     "flag",
     "parse_options",
@@ -38,7 +41,32 @@ __all__ = [
     "wrap_policy",
 ]
 
-WrapPolicy = Callable[[nn.Module], bool]
+SubtreePolicy = Callable[[nn.Module, bool, int], bool]
+"""FSDP1's auto-wrap protocol, ``policy(module, recurse, nonwrapped_numel)``: with ``recurse``
+True, whether to look into ``module``'s children; with False, whether ``module`` becomes a unit,
+given how many parameter elements of its subtree no unit below it holds."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TargetPolicy:
+    """A torch ``_Policy`` that names its units itself from the root (``CustomPolicy``)."""
+
+    policy: object
+
+    def targets(self, root: nn.Module) -> frozenset[int]:
+        """The ``id`` of every module the policy makes a unit; ``ValueError`` for per-unit
+        arguments, which every unit of one tree shares here."""
+        chosen: dict[nn.Module, dict[str, object]] = self.policy._run_policy(root, set(), {})  # type: ignore[attr-defined]  # torch's private _Policy protocol
+        overrides = sorted({k for kwargs in chosen.values() for k in kwargs})
+        if overrides:
+            raise ValueError(
+                f"auto_wrap_policy: the policy gives units arguments of their own ({', '.join(overrides)}); "
+                "every unit of a tree shares the constructor's arguments here, so return True instead"
+            )
+        return frozenset(id(m) for m in chosen)
+
+
+WrapPolicy = SubtreePolicy | TargetPolicy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +129,12 @@ def flag(name: str, value: object) -> bool:
 
 
 def wrap_policy(auto_wrap_policy: object) -> WrapPolicy | None:
-    """``auto_wrap_policy`` as a predicate on modules; ``TypeError`` naming it otherwise."""
+    """``auto_wrap_policy`` in FSDP1's protocol (``SubtreePolicy``), or torch's ``_Policy``
+    object (``TargetPolicy``); ``TypeError`` naming it otherwise. Accepted: a set of module
+    classes, ``ModuleWrapPolicy``, ``CustomPolicy``, torch's policy functions
+    (``transformer_auto_wrap_policy``, ``size_based_auto_wrap_policy``, ``lambda_auto_wrap_policy``,
+    as ``functools.partial``) and any ``callable(module, recurse, nonwrapped_numel) -> bool``,
+    or a ``callable(module) -> bool``."""
     if auto_wrap_policy is None:
         return None
     if isinstance(auto_wrap_policy, type) and issubclass(auto_wrap_policy, nn.Module):
@@ -116,14 +149,28 @@ def wrap_policy(auto_wrap_policy: object) -> WrapPolicy | None:
         kinds = tuple(auto_wrap_policy)
         if not all(isinstance(k, type) and issubclass(k, nn.Module) for k in kinds):
             raise TypeError("auto_wrap_policy: a set must hold nn.Module classes")
-        return lambda m: isinstance(m, kinds)
+        return lambda m, recurse, numel: recurse or isinstance(m, kinds)
+    if callable(getattr(auto_wrap_policy, "_run_policy", None)):
+        return TargetPolicy(auto_wrap_policy)
     if callable(auto_wrap_policy):
         policy = auto_wrap_policy
-        return lambda m: bool(policy(m))
+        if _takes_subtree_arguments(policy):
+            return lambda m, recurse, numel: bool(policy(module=m, recurse=recurse, nonwrapped_numel=numel))
+        return lambda m, recurse, numel: recurse or bool(policy(m))
     raise TypeError(
-        "auto_wrap_policy: expected None, a set of nn.Module classes, a callable(module) -> bool, "
-        f"or torch's ModuleWrapPolicy; got {auto_wrap_policy!r}"
+        "auto_wrap_policy: expected None, a set of nn.Module classes, torch's ModuleWrapPolicy or "
+        "CustomPolicy, a callable(module, recurse, nonwrapped_numel) -> bool or a "
+        f"callable(module) -> bool; got {auto_wrap_policy!r}"
     )
+
+
+def _takes_subtree_arguments(policy: Callable[..., object]) -> bool:
+    """Whether ``policy`` takes FSDP1's ``(module, recurse, nonwrapped_numel)`` by name."""
+    try:
+        inspect.signature(policy).bind(module=None, recurse=True, nonwrapped_numel=0)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def to_sharding_strategy(value: object) -> ShardingStrategy:

@@ -4,7 +4,8 @@
 127.0.0.1 in each, calls ``fn(rank, n, arg)`` and returns the results in rank order. A rank
 that raises makes the whole call raise with its traceback; a world that has not finished
 within ``timeout`` seconds is killed and the call raises ``TimeoutError``, so a hang fails a
-test instead of stalling CI.
+test instead of stalling CI. Each rank runs one OpenMP thread unless ``OMP_NUM_THREADS`` says
+otherwise, so ranks sharing the machine's cores do not oversubscribe them.
 
 Before the barrier and ``destroy_process_group`` each rank runs ``gc.collect()``: FSDP modules
 (ours and FSDP1's alike) sit in reference cycles that keep the process group alive past
@@ -14,12 +15,13 @@ shutdown then aborts the process ("terminate called without an active exception"
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -40,7 +42,6 @@ def free_port() -> int:
 def _child(
     rank: int, world: int, port: int, fn: Callable[[int, int, A], R], arg: A, out: mp.Queue[object], backend: str
 ) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         result = fn(rank, world, arg)
@@ -54,6 +55,20 @@ def _child(
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _one_thread_per_rank() -> Iterator[None]:
+    """While the ranks start: ``OMP_NUM_THREADS=1`` unless the user chose a value, so ranks
+    sharing a machine's cores do not oversubscribe them. (It must be in the environment before
+    torch is imported in the child; set inside the child it has no effect.)"""
+    chosen = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = chosen or "1"
+    try:
+        yield
+    finally:
+        if chosen is None:
+            del os.environ["OMP_NUM_THREADS"]
+
+
 def run_world(
     world: int, fn: Callable[[int, int, A], R], arg: A, timeout: float = 300.0, backend: str = "gloo"
 ) -> list[R]:
@@ -65,8 +80,9 @@ def run_world(
     procs = [
         ctx.Process(target=_child, args=(r, world, port, fn, arg, out, backend), daemon=True) for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    with _one_thread_per_rank():
+        for p in procs:
+            p.start()
     results: dict[int, R] = {}
     try:
         while len(results) < world:

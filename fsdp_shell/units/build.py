@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_core import CommHook, Division, FlatParamLayout, PlanRequest, ShardingSpec
-from fsdp_shell.options import Options, WrapPolicy
+from fsdp_shell.options import Options, SubtreePolicy, TargetPolicy, WrapPolicy
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.flat_param import FlatParamHandle, OrigParam
 
@@ -36,19 +36,47 @@ class UnitSite:
 
 
 def find_units(module: nn.Module, policy: WrapPolicy | None, is_wrapped: Callable[[nn.Module], bool]) -> list[UnitSite]:
-    """The units of ``module`` bottom-up, the root last. Submodules already wrapped
-    (``is_wrapped``: an FSDP tree of their own) are left alone with their descendants."""
+    """The units of ``module`` bottom-up, the root last, chosen as FSDP1's ``_recursive_wrap``
+    does: the policy is asked, from the root down, whether to look into a module's children
+    (``recurse=True``) and, after them, whether the module becomes a unit given the parameter
+    elements of its subtree that no unit below holds. A module with no parameters in its
+    subtree never becomes a unit. Submodules already wrapped (``is_wrapped``: an FSDP tree of their own) are left alone
+    with their descendants, and their parameters are not counted."""
     found: list[UnitSite] = []
+    decide: SubtreePolicy | None
+    if isinstance(policy, TargetPolicy):
+        targets = policy.targets(module)
+        decide = lambda m, recurse, numel: recurse or id(m) in targets  # noqa: E731
+    else:
+        decide = policy
 
-    def visit(m: nn.Module) -> None:
+    def unwrapped(m: nn.Module, seen: dict[int, int]) -> dict[int, int]:
+        for p in m.parameters(recurse=False):
+            seen.setdefault(id(p), p.numel())
+        for child in m.children():
+            if not is_wrapped(child):
+                unwrapped(child, seen)
+        return seen
+
+    def visit(m: nn.Module, rule: SubtreePolicy) -> int:
+        """Units under ``m``; returns the parameter elements they hold."""
+        held = 0
         for name, child in list(m.named_children()):
             if is_wrapped(child):
                 continue
-            visit(child)
-            if policy is not None and policy(child) and any(True for _ in child.parameters()):
+            numel = sum(unwrapped(child, {}).values())
+            if not rule(child, True, numel):
+                continue
+            inner = visit(child, rule)
+            if any(True for _ in child.parameters()) and rule(child, False, numel - inner):
                 found.append(UnitSite(child, m, name))
+                held += numel
+            else:
+                held += inner
+        return held
 
-    visit(module)
+    if decide is not None and decide(module, True, sum(unwrapped(module, {}).values())):
+        visit(module, decide)
     found.append(UnitSite(module, None, ""))
     return found
 

@@ -21,16 +21,12 @@ def clip_grad_norm(
     norm_type: float | str = 2.0,
 ) -> torch.Tensor:
     """Scale every gradient the optimizer steps on so their total ``norm_type``-norm across all
-    ranks is at most ``max_norm``; returns that total norm (before clipping). Sharded units'
-    norms are combined over the shard group, replicated ones counted once. ``ValueError`` /
-    ``TypeError`` naming the argument for a bad ``max_norm`` or ``norm_type``."""
-    if (
-        isinstance(max_norm, bool)
-        or not isinstance(max_norm, (int, float))
-        or not math.isfinite(max_norm)
-        or max_norm < 0
-    ):
-        raise ValueError(f"max_norm: expected a finite number >= 0, got {max_norm!r}")
+    ranks is at most ``max_norm``; returns that total norm (before clipping). ``max_norm=inf``
+    clips nothing (the usual way to log the norm). Sharded units' norms are combined over the
+    shard group, replicated ones counted once. ``ValueError`` / ``TypeError`` naming the
+    argument for a bad ``max_norm`` or ``norm_type``."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm: expected a number >= 0 (inf: clip nothing), got {max_norm!r}")
     if norm_type == "inf":
         norm_type = float("inf")
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
@@ -60,6 +56,8 @@ def clip_grad_norm(
     else:
         dist.all_reduce(sharded, group=shard_group)
         total = (sharded + replicated) ** (1.0 / p)
+    if math.isinf(max_norm):
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for g in grads:
