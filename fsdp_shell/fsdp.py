@@ -90,6 +90,14 @@ class FullyShardedDataParallel(nn.Module):
       (``ReduceOp.AVG``, or ``PREMUL_SUM`` for a custom factor) where the backend can (NCCL) for
       fp32/bf16, split the division for fp16, and divide once after the reduction otherwise
       (gloo).
+    - ``param_init_fn`` (keyword; FSDP1's): for a model built under ``torch.device("meta")``,
+      called on every module breadth-first to give it real storage (for example
+      ``m.to_empty(device=..., recurse=False)`` and an initialization). Without it a meta model
+      is materialized as FSDP1 does: ``to_empty(recurse=False)`` and ``reset_parameters()`` for
+      every module with meta states of its own.
+    - ``sync_module_states`` (keyword; FSDP1's): broadcast rank 0's parameters and buffers to
+      every rank before sharding (over the shard group, then the replicate group), so a model
+      loaded on rank 0 alone starts the same everywhere.
 
     Bad configuration raises ``ValueError``/``TypeError`` here, naming the argument.
     """
@@ -114,6 +122,8 @@ class FullyShardedDataParallel(nn.Module):
         division_policy: object = DivisionPolicy.PRE_POST,
         hybrid_all_reduce: object = HybridAllReduce.ASYNC,
         ranks_may_diverge: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        sync_module_states: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -131,6 +141,8 @@ class FullyShardedDataParallel(nn.Module):
             division_policy=division_policy,
             hybrid_all_reduce=hybrid_all_reduce,
             ranks_may_diverge=ranks_may_diverge,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
         )
         tree, sites = make_tree(
             module,

@@ -37,6 +37,7 @@ __all__ = [
     "to_division_policy",
     "to_hybrid_all_reduce",
     "to_mixed_precision",
+    "to_param_init_fn",
     "to_sharding_strategy",
     "wrap_policy",
 ]
@@ -83,6 +84,8 @@ class Options:
     hybrid_all_reduce: HybridAllReduce
     wrap: WrapPolicy | None
     ranks_may_diverge: bool = False
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    sync_module_states: bool = False
 
 
 def parse_options(
@@ -97,6 +100,8 @@ def parse_options(
     division_policy: object,
     hybrid_all_reduce: object,
     ranks_may_diverge: object = False,
+    param_init_fn: object = None,
+    sync_module_states: object = False,
 ) -> Options:
     """Every argument checked on its own and against the others; ``ValueError``/``TypeError``
     naming the argument."""
@@ -118,7 +123,23 @@ def parse_options(
         hybrid_all_reduce=placement,
         wrap=wrap_policy(auto_wrap_policy),
         ranks_may_diverge=flag("ranks_may_diverge", ranks_may_diverge),
+        param_init_fn=to_param_init_fn(param_init_fn),
+        sync_module_states=flag("sync_module_states", sync_module_states),
     )
+
+
+def to_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:
+    """``param_init_fn`` as FSDP1 takes it: None or a ``callable(module)``."""
+    if value is None:
+        return None
+    if not callable(value):
+        raise TypeError(f"param_init_fn: expected None or a callable(module), got {value!r}")
+    fn = value
+
+    def init(module: nn.Module) -> None:
+        fn(module)
+
+    return init
 
 
 def flag(name: str, value: object) -> bool:

@@ -48,6 +48,7 @@ from fsdp_shell.safety.sequencer import Sequencer
 from fsdp_shell.state.state_dict import StateDictSettings, StateEntry, state_entries
 from fsdp_shell.units.build import UnitSite, build_handles, find_units, param_names
 from fsdp_shell.units.flat_param import FlatParamHandle
+from fsdp_shell.units.init import broadcast_states, materialize
 from fsdp_shell.units.unshard import UnshardRunner
 
 __all__ = ["IterationState", "Settings", "Tree", "make_tree"]
@@ -184,14 +185,19 @@ def make_tree(
     """The tree for ``module`` and where its units are (the root last). Flattens every unit's
     parameters; submodules already wrapped (``is_wrapped``) are left alone."""
     device = checked_device_id(device_id)
-    names = param_names(module)
-    entries = state_entries(module, names)
     groups = resolve_groups(options.strategy, process_group, device_mesh, "cpu" if device is None else device.type)
     if device is None:
         device = default_device(groups)
-    if options.hybrid_all_reduce is HybridAllReduce.SYNC and device.type != "cuda":
+    if options.hybrid_all_reduce is HybridAllReduce.SYNC and device.type == "cpu":
         groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
+    materialize(module, options.param_init_fn, device, is_wrapped)
+    names = param_names(module)
+    entries = state_entries(module, names)
     module.to(device)
+    if options.sync_module_states:
+        broadcast_states(
+            module, (groups.shard,) if groups.replicate is None else (groups.shard, groups.replicate), is_wrapped
+        )
     log = CollectiveLog()
     runtime = make_runtime(device, groups, log)
     division = Division(policy=options.division_policy, backend=groups.caps)

@@ -4,7 +4,10 @@
   norm (the reference's) and changes no gradient;
 - attribute fall-through: what the wrapper lacks is the wrapped module's (``model.config``, a
   submodule, a plain attribute), on the root and on nested units; a wrapped ``nn.Sequential``
-  is subscriptable; the wrapper's own attributes still win.
+  is subscriptable; the wrapper's own attributes still win;
+- a model built on the meta device: ``param_init_fn`` on rank 0 only plus
+  ``sync_module_states`` trains like the reference; without ``param_init_fn``, ``to_empty`` and
+  ``reset_parameters``; a meta module with neither is refused, naming it.
 """
 
 from __future__ import annotations
@@ -88,3 +91,77 @@ def test_fsdp1_habits() -> None:
         assert out["own_attr_wins"] == "FULL_SHARD"
         assert "no_such_thing" in str(out["missing"])
         assert out["indexed"] == ["Linear", "Tanh", "Linear"]
+
+
+class Plain(nn.Module):
+    """A module with a meta parameter and no ``reset_parameters``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def meta_init(rank: int, world: int, _: None) -> dict[str, object]:
+    """Rank 0 loads real weights through ``param_init_fn``, rank 1 leaves them empty; with
+    ``sync_module_states`` both train like the reference built on a real device."""
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    ref = Net()
+    weights = dict(ref.named_modules())
+    with torch.device("meta"):
+        net = Net()
+    names = {id(m): name for name, m in net.named_modules()}
+
+    def init(m: nn.Module) -> None:
+        m.to_empty(device="cpu", recurse=False)
+        if rank == 0:
+            with torch.no_grad():
+                source = weights[names[id(m)]]
+                for (_, p), (_, q) in zip(m.named_parameters(recurse=False), source.named_parameters(recurse=False)):
+                    p.copy_(q)
+
+    model = FSDP(net, auto_wrap_policy={Block}, param_init_fn=init, sync_module_states=True)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    model(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+    ref(x).square().mean().backward()
+    opt.step(), ref_opt.step()
+    got = model.full_state_dict()
+    out["diff"] = max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items())
+
+    with torch.device("meta"):
+        default = Net()
+    torch.manual_seed(0)
+    plain = FSDP(default, auto_wrap_policy={Block})
+    values = plain.full_state_dict()
+    out["default_materialized"] = all(not v.is_meta and bool(torch.isfinite(v).all()) for v in values.values())
+    out["default_initialized"] = float(values["head.weight"].abs().sum()) > 0
+
+    with torch.device("meta"):
+        bare = nn.Sequential(nn.Linear(4, 4), Plain())
+    try:
+        FSDP(bare)
+        out["no_reset"] = "accepted"
+    except ValueError as error:
+        out["no_reset"] = str(error)
+    try:
+        FSDP(nn.Linear(2, 2), param_init_fn="zeros")  # type: ignore[arg-type]  # bad input on purpose
+        out["not_callable"] = "accepted"
+    except TypeError as error:
+        out["not_callable"] = str(error)
+    return out
+
+
+def test_meta_init_with_param_init_fn_and_sync_module_states() -> None:
+    for out in run_world(2, meta_init, None, timeout=120):
+        diff = out["diff"]
+        assert isinstance(diff, float) and diff < 1e-6
+        assert out["default_materialized"] is True and out["default_initialized"] is True
+        assert out["no_reset"] == (
+            "module: 1 (Plain) is on the meta device and has no reset_parameters() to initialize it; "
+            "pass param_init_fn=, or build it on a real device"
+        )
+        assert "param_init_fn: expected None or a callable(module), got 'zeros'" in str(out["not_callable"])

@@ -1,0 +1,89 @@
+"""A module's states before they are flattened: materialized from the meta device, and
+broadcast from rank 0 (FSDP1's ``param_init_fn`` and ``sync_module_states``).
+
+A model too large for one host is built under ``torch.device("meta")``. ``materialize`` gives
+each of its modules real storage, as FSDP1 does: with ``param_init_fn``, by calling it on every
+module that is not already an FSDP tree of its own, breadth-first; without one, every module
+that holds a meta parameter or buffer of its own is moved with ``to_empty(recurse=False)`` and
+initialized with its ``reset_parameters()``. ``broadcast_states`` copies rank 0's parameters
+and buffers to every rank of the groups, so a model loaded on rank 0 alone (the others built on
+meta) starts the same everywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["broadcast_states", "materialize"]
+
+
+def _modules(root: nn.Module, is_wrapped: Callable[[nn.Module], bool]) -> Iterator[nn.Module]:
+    """``root`` and its descendants breadth-first, not entering already-wrapped trees."""
+    queue: deque[nn.Module] = deque([root])
+    while queue:
+        m = queue.popleft()
+        yield m
+        queue.extend(c for c in m.children() if not is_wrapped(c))
+
+
+def _own_states(m: nn.Module) -> Iterator[torch.Tensor]:
+    return itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))
+
+
+def materialize(
+    root: nn.Module,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device,
+    is_wrapped: Callable[[nn.Module], bool],
+) -> None:
+    """Give every meta parameter and buffer of ``root`` real storage on ``device`` (see the
+    module docstring); a no-op when none is on the meta device. ``ValueError`` naming the
+    module that has meta states but no ``reset_parameters`` (and no ``param_init_fn``), or that
+    ``param_init_fn`` left on the meta device."""
+    modules = list(_modules(root, is_wrapped))
+    names = {id(m): name or "the root module" for name, m in root.named_modules()}
+    if not any(t.is_meta for m in modules for t in _own_states(m)):
+        return
+    for m in modules:
+        if param_init_fn is not None:
+            param_init_fn(m)
+            continue
+        if not any(t.is_meta for t in _own_states(m)):
+            continue
+        reset = getattr(m, "reset_parameters", None)
+        if not callable(reset):
+            raise ValueError(
+                f"module: {names[id(m)]} ({type(m).__name__}) is on the meta device and has no "
+                "reset_parameters() to initialize it; pass param_init_fn=, or build it on a real device"
+            )
+        m.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            reset()
+    left = sorted(names[id(m)] for m in modules if any(t.is_meta for t in _own_states(m)))
+    if left:
+        raise ValueError(f"param_init_fn: left these modules on the meta device: {', '.join(left)}")
+
+
+def broadcast_states(
+    root: nn.Module, groups: tuple[dist.ProcessGroup, ...], is_wrapped: Callable[[nn.Module], bool]
+) -> None:
+    """Every parameter and buffer of ``root`` (outside already-wrapped trees) becomes rank 0's of
+    each group in turn: the shard group, then for hybrid strategies the replicate group."""
+    seen: set[int] = set()
+    states = []
+    for m in _modules(root, is_wrapped):
+        for t in _own_states(m):
+            if id(t) not in seen:
+                seen.add(id(t))
+                states.append(t)
+    for group in groups:
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for t in states:
+                dist.broadcast(t.data, src=src, group=group)
