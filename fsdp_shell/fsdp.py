@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp.api as fsdp_api
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
@@ -33,6 +34,7 @@ from fsdp_shell.state.state_dict import (
     load_state_dict,
     sharded_state_dict,
     state_dict_settings,
+    torch_settings,
 )
 from fsdp_shell.tree import Tree, make_tree
 from fsdp_shell.units.flat_param import FlatParamHandle
@@ -376,6 +378,30 @@ class FullyShardedDataParallel(nn.Module):
         for root in roots:
             root._set(state_dict=settings)
         return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> fsdp_api.StateDictSettings:
+        """FSDP1's: the state-dict settings of the FSDP roots in ``module``, as torch's
+        ``StateDictSettings``; ``ValueError`` when there is no root or the roots differ."""
+        roots = _roots(module)
+        if not roots:
+            raise ValueError("module: contains no FullyShardedDataParallel root")
+        kinds = {root._tree.settings.state_dict for root in roots}
+        if len(kinds) > 1:
+            raise ValueError(f"module: its FullyShardedDataParallel roots use different state-dict types: {kinds}")
+        return torch_settings(kinds.pop())
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """FSDP1's: every ``FullyShardedDataParallel`` in ``module`` (itself included), or only
+        the roots."""
+        if root_only:
+            return _roots(module)
+        return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    def check_is_root(self) -> bool:
+        """FSDP1's: whether this module is the root of its FSDP tree."""
+        return self._is_root
 
     @staticmethod
     def optim_state_dict(

@@ -4,7 +4,8 @@
   norm (the reference's) and changes no gradient;
 - attribute fall-through: what the wrapper lacks is the wrapped module's (``model.config``, a
   submodule, a plain attribute), on the root and on nested units; a wrapped ``nn.Sequential``
-  is subscriptable; the wrapper's own attributes still win;
+  is subscriptable; the wrapper's own attributes still win; ``fsdp_modules``,
+  ``check_is_root``, ``get_state_dict_type`` (torch's ``StateDictSettings``);
 - a model built on the meta device: ``param_init_fn`` on rank 0 only plus
   ``sync_module_states`` trains like the reference; without ``param_init_fn``, ``to_empty`` and
   ``reset_parameters``; a meta module with neither is refused, naming it.
@@ -16,6 +17,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import StateDictType
 
 from fsdp_shell import FSDP
 from tests.dist_harness import run_world
@@ -77,6 +79,18 @@ def habits(rank: int, world: int, _: None) -> dict[str, object]:
 
     seq = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)))
     out["indexed"] = [type(seq[i]).__name__ for i in range(3)]
+
+    out["fsdp_modules"] = (len(FSDP.fsdp_modules(model)), len(FSDP.fsdp_modules(model, root_only=True)))
+    out["is_root"] = (model.check_is_root(), first.check_is_root())
+    before_type = FSDP.get_state_dict_type(model)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        inside = FSDP.get_state_dict_type(model)
+    out["state_dict_types"] = (
+        before_type.state_dict_type.name,
+        type(before_type.state_dict_config).__name__,
+        inside.state_dict_type.name,
+        type(inside.optim_state_dict_config).__name__,
+    )
     return out
 
 
@@ -91,6 +105,14 @@ def test_fsdp1_habits() -> None:
         assert out["own_attr_wins"] == "FULL_SHARD"
         assert "no_such_thing" in str(out["missing"])
         assert out["indexed"] == ["Linear", "Tanh", "Linear"]
+        assert out["fsdp_modules"] == (3, 1)
+        assert out["is_root"] == (True, False)
+        assert out["state_dict_types"] == (
+            "FULL_STATE_DICT",
+            "FullStateDictConfig",
+            "SHARDED_STATE_DICT",
+            "ShardedOptimStateDictConfig",
+        )
 
 
 class Plain(nn.Module):

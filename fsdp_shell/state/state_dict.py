@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.fsdp.api as fsdp_api
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -39,6 +40,7 @@ __all__ = [
     "sharded_state_dict",
     "state_dict_settings",
     "state_entries",
+    "torch_settings",
 ]
 
 
@@ -57,6 +59,21 @@ class StateDictSettings:
     kind: StateDictType = StateDictType.FULL_STATE_DICT
     offload_to_cpu: bool = False
     rank0_only: bool = False
+
+
+def torch_settings(settings: StateDictSettings) -> fsdp_api.StateDictSettings:
+    """``settings`` as FSDP1's ``get_state_dict_type`` returns them (torch's config objects)."""
+    config: fsdp_api.StateDictConfig
+    optim: fsdp_api.OptimStateDictConfig
+    if settings.kind is StateDictType.FULL_STATE_DICT:
+        config = fsdp_api.FullStateDictConfig(offload_to_cpu=settings.offload_to_cpu, rank0_only=settings.rank0_only)
+        optim = fsdp_api.FullOptimStateDictConfig(
+            offload_to_cpu=settings.offload_to_cpu, rank0_only=settings.rank0_only
+        )
+    else:
+        config = fsdp_api.ShardedStateDictConfig(offload_to_cpu=settings.offload_to_cpu)
+        optim = fsdp_api.ShardedOptimStateDictConfig(offload_to_cpu=settings.offload_to_cpu)
+    return fsdp_api.StateDictSettings(fsdp_api.StateDictType[settings.kind.name], config, optim)
 
 
 def state_dict_settings(state_dict_type: object, state_dict_config: object = None) -> StateDictSettings:
