@@ -39,6 +39,7 @@ from fsdp_shell.state.state_dict import (
 from fsdp_shell.tree import Tree, make_tree
 from fsdp_shell.units.flat_param import FlatParamHandle
 from fsdp_shell.units.grad_norm import clip_grad_norm
+from fsdp_shell.units.summon import check_summon_options, summoned
 
 __all__ = ["FSDP", "FullyShardedDataParallel"]
 
@@ -200,6 +201,29 @@ class FullyShardedDataParallel(nn.Module):
             if wrapped is None or name == "module":
                 raise
             return getattr(wrapped, name)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """FSDP1's: ``fn`` on every submodule and this one, each unit with its full parameters
+        (``summon_full_params(recurse=False)`` around it, writing back), so initializers such
+        as ``nn.init.normal_(m.weight)`` work as on the unwrapped model. A collective."""
+        with FullyShardedDataParallel.summon_full_params(self, recurse=False):
+            super().apply(fn)
+        return self
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FullyShardedDataParallel:
+        """Conversions that keep every flat parameter's dtype and device pass (``to`` the device
+        it is on, ``share_memory``); ``ValueError`` for one that would change them (``to(dtype)``,
+        ``double()``, ``cuda()``): the flat parameters are laid out at wrapping."""
+        for h in self._tree.flat_handles:
+            probe = fn(torch.empty(0, dtype=h.orig_dtype, device=h.local.device))
+            if probe.dtype != h.orig_dtype or probe.device != h.local.device:
+                raise ValueError(
+                    f"to: the parameters' dtype and device are fixed when FSDP wraps them ({h.orig_dtype} on "
+                    f"{h.local.device}; asked for {probe.dtype} on {probe.device}); convert the module before "
+                    "wrapping it, or use mixed_precision= for low-precision compute"
+                )
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # nn.Module._apply is unannotated
+        return self
 
     def __getitem__(self, key: int) -> Any:
         """FSDP1's indexing of a wrapped ``nn.Sequential`` or ``nn.ModuleList``."""
@@ -378,6 +402,63 @@ class FullyShardedDataParallel(nn.Module):
         for root in roots:
             root._set(state_dict=settings)
         return previous
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """FSDP1's context manager: inside, the original parameters of every unit in ``module``
+        (only ``module``'s own unit with ``recurse=False``) hold their full values in their own
+        dtype and shape; with ``writeback`` (default) what is changed inside is kept;
+        ``rank0_only``: only rank 0 sees them; ``offload_to_cpu``: on the host; ``with_grads``
+        (``use_orig_params``): their gradients too. A collective; not inside forward or backward
+        (``fsdp_shell.units.summon``)."""
+        given = {"recurse": recurse, "writeback": writeback, "rank0_only": rank0_only}
+        for name, value in {**given, "offload_to_cpu": offload_to_cpu, "with_grads": with_grads}.items():
+            flag(name, value)
+        if recurse:
+            units = FullyShardedDataParallel.fsdp_modules(module)
+        elif isinstance(module, FullyShardedDataParallel):
+            units = [module]
+        else:
+            raise ValueError(
+                "module: recurse=False summons one unit's parameters; pass a FullyShardedDataParallel module"
+            )
+        if not units:
+            raise ValueError("module: contains no FullyShardedDataParallel module")
+        by_tree: dict[int, tuple[Tree, list[FlatParamHandle]]] = {}
+        for unit in units:
+            tree, handle = unit._tree, unit._tree.handles[unit._index]
+            if tree.iteration.unfinished:
+                raise RuntimeError("summon_full_params: not inside forward or backward (a backward is under way)")
+            entry = by_tree.setdefault(id(tree), (tree, []))
+            if handle is not None:
+                entry[1].append(handle)
+        with contextlib.ExitStack() as stack:
+            for tree, handles in by_tree.values():
+                check_summon_options(
+                    writeback=writeback,
+                    rank0_only=rank0_only,
+                    with_grads=with_grads,
+                    use_orig_params=tree.options.use_orig_params,
+                )
+                stack.enter_context(
+                    summoned(
+                        handles,
+                        rank=tree.groups.shard.rank(),
+                        writeback=writeback,
+                        rank0_only=rank0_only,
+                        offload_to_cpu=offload_to_cpu,
+                        with_grads=with_grads,
+                    )
+                )
+            yield
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> fsdp_api.StateDictSettings:

@@ -8,12 +8,18 @@
   ``check_is_root``, ``get_state_dict_type`` (torch's ``StateDictSettings``);
 - a model built on the meta device: ``param_init_fn`` on rank 0 only plus
   ``sync_module_states`` trains like the reference; without ``param_init_fn``, ``to_empty`` and
-  ``reset_parameters``; a meta module with neither is refused, naming it.
+  ``reset_parameters``; a meta module with neither is refused, naming it;
+- ``summon_full_params`` with every option (writeback or not, ``rank0_only``, ``recurse=False``,
+  ``with_grads``) and its refusals, flat and ``use_orig_params``; training goes on after it;
+- ``model.apply(init_fn)`` on the full parameters; ``to`` the same device passes,
+  ``to(torch.float64)`` is refused (the flat parameters are laid out at wrapping).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -187,3 +193,136 @@ def test_meta_init_with_param_init_fn_and_sync_module_states() -> None:
             "pass param_init_fn=, or build it on a real device"
         )
         assert "param_init_fn: expected None or a callable(module), got 'zeros'" in str(out["not_callable"])
+
+
+def _resolve(model: nn.Module, name: str) -> torch.Tensor:
+    """``model.<name>`` through the wrappers' attribute fall-through (``blocks.0.up.weight``)."""
+    obj: object = model
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    assert isinstance(obj, torch.Tensor)
+    return obj
+
+
+def summon(rank: int, world: int, use_orig_params: bool) -> dict[str, object]:
+    """``summon_full_params`` with each option, against a reference trained on all ranks' data."""
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    model = FSDP(net, auto_wrap_policy={Block}, use_orig_params=use_orig_params)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    model(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+    ref(x).square().mean().backward()
+    names = [n for n, _ in ref.named_parameters()]
+
+    with FSDP.summon_full_params(model, writeback=False):
+        out["full"] = max(float((_resolve(model, n) - p).detach().abs().max()) for n, p in ref.named_parameters())
+        out["shapes"] = all(_resolve(model, n).shape == p.shape for n, p in ref.named_parameters())
+    if use_orig_params:
+        with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+            out["grads"] = max(
+                float((_resolve(model, n).grad - p.grad).abs().max())  # type: ignore[operator]  # both have grads
+                for n, p in ref.named_parameters()
+            )
+    opt.step(), ref_opt.step()
+    opt.zero_grad(), ref_opt.zero_grad()
+
+    with FSDP.summon_full_params(model), torch.no_grad():
+        _resolve(model, "head.weight").add_(1.0)
+        _resolve(model, "blocks.0.up.bias").mul_(2.0)
+    with torch.no_grad():
+        ref.head.weight.add_(1.0)
+        first = ref.blocks[0]
+        assert isinstance(first, Block)
+        first.up.bias.mul_(2.0)
+    with FSDP.summon_full_params(model, writeback=False), torch.no_grad():
+        _resolve(model, "head.weight").zero_()
+    got = model.full_state_dict()
+    out["written_back"] = max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items())
+
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
+        out["rank0_only"] = [tuple(_resolve(model, n).shape) for n in names]
+    with FSDP.summon_full_params(model, recurse=False, writeback=False):
+        out["root_only"] = [tuple(_resolve(model, n).shape) for n in names]
+
+    model(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+    ref(x).square().mean().backward()
+    opt.step(), ref_opt.step()
+    got = model.full_state_dict()
+    out["trains_after"] = max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items())
+
+    calls: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+        "writeback-rank0_only": lambda: FSDP.summon_full_params(model, rank0_only=True),
+        "with_grads": lambda: FSDP.summon_full_params(model, with_grads=True, writeback=False),
+    }
+    for name, call in calls.items():
+        try:
+            with call():
+                pass
+            out[name] = "accepted"
+        except ValueError as error:
+            out[name] = str(error)
+    return out
+
+
+def test_summon_full_params() -> None:
+    for use_orig_params in (False, True):
+        for rank, out in enumerate(run_world(2, summon, use_orig_params, timeout=120)):
+            for key in ("full", "written_back", "trains_after", *(("grads",) if use_orig_params else ())):
+                value = out[key]
+                assert isinstance(value, float) and value < 1e-6, (use_orig_params, key, value)
+            assert out["shapes"] is True
+            full = [(8, 4), (8,), (4, 8), (4,)] * 2 + [(1, 4), (1,)]
+            rank0_only = out["rank0_only"]
+            assert isinstance(rank0_only, list)
+            if rank == 0:
+                assert rank0_only == full
+            elif use_orig_params:
+                assert rank0_only != full, "rank0_only: rank 1 saw the full parameters"
+            root_only = out["root_only"]
+            assert isinstance(root_only, list) and root_only[-2:] == full[-2:]
+            if use_orig_params:
+                assert root_only[:-2] != full[:-2], "recurse=False gathered the nested units too"
+            assert "writeback=True with rank0_only=True is not supported" in str(out["writeback-rank0_only"])
+            assert (out["with_grads"] == "accepted") == use_orig_params, out["with_grads"]
+
+
+def _init(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        with torch.no_grad():
+            m.weight.copy_(torch.arange(m.weight.numel(), dtype=torch.float32).view_as(m.weight).sin())
+            nn.init.constant_(m.bias, 0.25)
+
+
+def apply_and_to(rank: int, world: int, use_orig_params: bool) -> dict[str, object]:
+    """``model.apply(init)`` initializes the full parameters as on the unwrapped model; ``to``
+    the device it is on passes, ``to(torch.float64)`` is refused naming ``to``."""
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    model = FSDP(net, auto_wrap_policy={Block}, use_orig_params=use_orig_params)
+    out["returns_self"] = model.apply(_init) is model
+    ref.apply(_init)
+    got = model.full_state_dict()
+    out["applied"] = max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    out["same_device"] = model.to("cpu") is model
+    try:
+        model.to(torch.float64)
+        out["to_dtype"] = "accepted"
+    except ValueError as error:
+        out["to_dtype"] = str(error)
+    return out
+
+
+def test_apply_runs_on_full_parameters_and_to_dtype_is_refused() -> None:
+    for use_orig_params in (False, True):
+        for out in run_world(2, apply_and_to, use_orig_params, timeout=120):
+            applied = out["applied"]
+            assert isinstance(applied, float) and applied == 0.0
+            assert out["returns_self"] is True and out["same_device"] is True
+            assert str(out["to_dtype"]).startswith(
+                "to: the parameters' dtype and device are fixed when FSDP wraps them"
+            )

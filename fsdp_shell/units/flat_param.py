@@ -448,6 +448,24 @@ class FlatParamHandle:
             out[p.fqn] = flat[start:end].view(self.layout.params[index].shape).clone()
         return out
 
+    def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each original parameter's view of ``flat`` (a whole flat parameter, as ``full_flat``
+        returns it), in its original shape."""
+        start_end = (self.layout.param_range(i) for i in range(len(self.params)))
+        return [flat[a:b].view(self.layout.params[i].shape) for i, (a, b) in enumerate(start_end)]
+
+    def load_full_flat(self, flat: torch.Tensor) -> None:
+        """Set the local shard from ``flat``, a whole padded flat parameter."""
+        start = self.sharding.rank * self.shard_numel if self.is_sharded else 0
+        with torch.no_grad():
+            self.local.copy_(flat[start : start + self.shard_numel])
+
+    def sharded_grad_flat(self) -> torch.Tensor | None:
+        """The reduced sharded gradient the optimizer steps on (None before any backward)."""
+        if not self.use_orig_params:
+            return self.flat_param.grad
+        return self.carried.tensors.get(InputRole.SHARDED_GRAD)
+
     def load_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set the local shard from full values of every original parameter."""
         with torch.no_grad():
