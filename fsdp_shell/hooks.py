@@ -66,24 +66,50 @@ def install(tree: Tree) -> None:
 
 def forward(tree: Tree, unit: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``module``'s forward as unit ``unit``: gather, run on the unsharded views, reshard, hook
-    the outputs so backward gathers again first."""
-    h = tree.handles[unit]
-    is_root = unit == tree.root
+    the outputs so backward gathers again first. Only the module's own forward is visible to
+    ``torch.compile``: FSDP's steps before and after it run eagerly (``torch.compiler.disable``),
+    so Dynamo compiles the model between them and never traces a collective or the agreement."""
     grad_on = torch.is_grad_enabled()
+    args, kwargs = _before_forward(tree, unit, args, kwargs, grad_on)
+    try:
+        out = module(*args, **kwargs)
+    except BaseException:
+        _forward_failed(tree, unit)
+        raise
+    return _after_forward(tree, unit, out, grad_on)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
+def _before_forward(
+    tree: Tree, unit: int, args: tuple[Any, ...], kwargs: dict[str, Any], grad_on: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    h = tree.handles[unit]
+    with tree.log.during(Phase.FORWARD), _waiting(tree, unit, "forward"):
+        if unit == tree.root:
+            args, kwargs = _begin_iteration(tree, args, kwargs, grad_on)
+        if h is not None:
+            if unit != tree.root:
+                _sequence(tree, HookEvent(Event.PRE_FORWARD, unit), grad_on)
+            if grad_on:
+                tree.unshard.run(Event.PRE_FORWARD, unit)
+            h.finish_unshard()
+            h.use_unsharded_views()
+    return args, kwargs
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
+def _forward_failed(tree: Tree, unit: int) -> None:
+    h = tree.handles[unit]
+    if h is not None:
+        h.restore_params()
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
+def _after_forward(tree: Tree, unit: int, out: Any, grad_on: bool) -> Any:
+    h = tree.handles[unit]
     with tree.log.during(Phase.FORWARD):
-        with _waiting(tree, unit, "forward"):
-            if is_root:
-                args, kwargs = _begin_iteration(tree, args, kwargs, grad_on)
-            if h is not None:
-                if not is_root:
-                    _sequence(tree, HookEvent(Event.PRE_FORWARD, unit), grad_on)
-                if grad_on:
-                    tree.unshard.run(Event.PRE_FORWARD, unit)
-                h.finish_unshard()
-                h.use_unsharded_views()
         try:
-            out = module(*args, **kwargs)
-            if is_root:
+            if unit == tree.root:
                 with _waiting(tree, unit, "end of forward"):
                     _sequence(tree, HookEvent(Event.END_FORWARD, -1), grad_on)
         finally:

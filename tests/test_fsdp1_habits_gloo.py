@@ -12,7 +12,8 @@
 - ``summon_full_params`` with every option (writeback or not, ``rank0_only``, ``recurse=False``,
   ``with_grads``) and its refusals, flat and ``use_orig_params``; training goes on after it;
 - ``model.apply(init_fn)`` on the full parameters; ``to`` the same device passes,
-  ``to(torch.float64)`` is refused (the flat parameters are laid out at wrapping).
+  ``to(torch.float64)`` is refused (the flat parameters are laid out at wrapping);
+- ``torch.compile(wrapped)`` from the first call, the agreement check included.
 """
 
 from __future__ import annotations
@@ -326,3 +327,44 @@ def test_apply_runs_on_full_parameters_and_to_dtype_is_refused() -> None:
             assert str(out["to_dtype"]).startswith(
                 "to: the parameters' dtype and device are fixed when FSDP wraps them"
             )
+
+
+def compiled(rank: int, world: int, backend: str) -> dict[str, object]:
+    """``torch.compile`` of the wrapped model from its first call: trains like the eager
+    reference, Dynamo compiled graphs, and the cross-rank agreement still runs (a rank wrapped
+    differently is refused under compile too)."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    model = FSDP(net, auto_wrap_policy={Block})
+    step = torch.compile(model, backend=backend)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(3):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 + i))
+        step(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+        ref(x).square().mean().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    got = model.full_state_dict()
+    out["diff"] = max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    out["graphs"] = int(counters["stats"]["unique_graphs"])
+
+    other = FSDP(Net(), sharding_strategy="FULL_SHARD" if rank == 0 else "SHARD_GRAD_OP")
+    try:
+        torch.compile(other, backend=backend)(torch.randn(2, 4))
+        out["mismatch"] = "accepted"
+    except Exception as error:  # noqa: BLE001  (the type is what is checked)
+        out["mismatch"] = type(error).__name__
+    return out
+
+
+def test_torch_compile_of_the_wrapped_model_from_the_first_call() -> None:
+    for out in run_world(2, compiled, "inductor", timeout=600):
+        diff = out["diff"]
+        assert isinstance(diff, float) and diff < 1e-5
+        graphs = out["graphs"]
+        assert isinstance(graphs, int) and graphs > 0
+        assert out["mismatch"] == "RankMismatchError"
