@@ -55,7 +55,7 @@ def _device(device: str) -> torch.device:
 
 
 @contextlib.contextmanager
-def _slowed(stream: Stream | None) -> Iterator[None]:
+def slowed(stream: Stream | None) -> Iterator[None]:
     """Every ``AcceleratorRuntime`` enqueues ~20 ms of sleep on ``stream`` before each op there."""
     if stream is None or not torch.cuda.is_available():
         yield
@@ -88,7 +88,7 @@ def run_part(rank: int, world: int, arg: tuple[tuple[Case, ...], Stream | None])
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     results = {}
-    with _slowed(slow):
+    with slowed(slow):
         for case in cases:
             try:
                 outcome = run_case(rank, world, case)

@@ -24,6 +24,7 @@ from fsdp_core import MixedPrecision, ShardingStrategy, Stream
 from fsdp_shell import FSDP
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime
 from tests.dist_harness import free_port
+from tests.gpu_worlds import slowed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -71,40 +72,19 @@ def _train(
         device_id=torch.device("cuda", 0),
         **options,
     )
-    if slow is not None:
-        _slow_stream(model, slow)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    worst = 0.0
-    for step in range(steps):
-        x = torch.randn(64, 257, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-        model(x).float().square().mean().backward()
-        ref(x).square().mean().backward()
-        opt.step(), ropt.step(), opt.zero_grad(), ropt.zero_grad()
-        full = model.full_state_dict()
-        worst = max(worst, *(float((full[k].cuda() - v).abs().max()) for k, v in ref.state_dict().items()))
+    with slowed(slow):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        worst = 0.0
+        for step in range(steps):
+            x = torch.randn(64, 257, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            model(x).float().square().mean().backward()
+            ref(x).square().mean().backward()
+            opt.step(), ropt.step(), opt.zero_grad(), ropt.zero_grad()
+            full = model.full_state_dict()
+            worst = max(worst, *(float((full[k].cuda() - v).abs().max()) for k, v in ref.state_dict().items()))
     torch.cuda.synchronize()
     return worst
-
-
-def _slow_stream(model: FSDP, stream: Stream) -> None:
-    """Enqueue ~20 ms of sleep before every op and collective on ``stream``, so the streams that
-    hand it buffers run far ahead and reuse freed memory as early as the allocator allows."""
-    runtime = model._tree.runtime
-    assert isinstance(runtime, AcceleratorRuntime)
-    slow = runtime.streams[stream]
-
-    def slowed(method: Callable[..., None]) -> Callable[..., None]:
-        def run(on: Stream, *args: Any, **kwargs: Any) -> None:
-            if on is stream:
-                with slow:
-                    torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # unannotated in torch
-            method(on, *args, **kwargs)
-
-        return run
-
-    for name in ("compute", "reduce_scatter", "all_reduce", "comm_hook"):
-        setattr(runtime, name, slowed(getattr(runtime, name)))  # test-only instrumentation
 
 
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
