@@ -155,6 +155,22 @@ def test_console_script_runs_as_a_process() -> None:
     assert out["padded_numel"] == out["numel"] == 1001
 
 
+@pytest.mark.parametrize(
+    "argv", [["fsdp_shell.cli.plan", "--units", "500"], ["fsdp_shell.cli.sim", "--width", "5000"]], ids=["plan", "sim"]
+)
+def test_a_closed_pipe_ends_the_output_quietly(argv: list[str]) -> None:
+    """``fsdp-plan ... | head -1``: the reader goes away after one line of an output larger than
+    the pipe's buffer; no traceback."""
+    with subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=120)
+    assert first.strip()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def _steps(out: dict[str, object]) -> list[tuple[str, int, list[str]]]:
     unshard = out["unshard"]
     assert isinstance(unshard, dict)

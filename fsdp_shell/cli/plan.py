@@ -49,7 +49,7 @@ from fsdp_core import (  # noqa: E402
     unshard_to_json,
 )
 from fsdp_core.sim import format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
-from fsdp_shell.cli.parser import OneLineErrorParser  # noqa: E402
+from fsdp_shell.cli.parser import OneLineErrorParser, console_script  # noqa: E402
 
 __all__ = ["main", "parse_backward_prefetch", "parse_dtype", "plan_from_args", "unshard_from_args"]
 
@@ -261,6 +261,7 @@ def _comm_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+@console_script("fsdp-plan")
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fsdp-plan``; returns the exit status."""
     parser = build_parser()

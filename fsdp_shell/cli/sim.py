@@ -28,7 +28,7 @@ from fsdp_core.sim import (
     iteration_to_trace,
     seed_calibration,
 )
-from fsdp_shell.cli.parser import OneLineErrorParser
+from fsdp_shell.cli.parser import OneLineErrorParser, console_script
 
 __all__ = ["build_parser", "main", "write_traces"]
 
@@ -103,6 +103,7 @@ def write_traces(calibration: SeedCalibration, directory: Path, keys: Sequence[s
     return paths
 
 
+@console_script("fsdp-sim")
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fsdp-sim``; returns the exit status."""
     args = build_parser().parse_args(argv)

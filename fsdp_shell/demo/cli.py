@@ -36,7 +36,7 @@ from fsdp_core import (  # noqa: E402
     ShardingStrategy,
 )
 from fsdp_shell.cli.launch import run_world  # noqa: E402
-from fsdp_shell.cli.parser import OneLineErrorParser  # noqa: E402
+from fsdp_shell.cli.parser import OneLineErrorParser, console_script  # noqa: E402
 from fsdp_shell.demo import models  # noqa: E402
 from fsdp_shell.demo.checkpoint import CheckpointError, read_meta  # noqa: E402
 from fsdp_shell.demo.model import ModelConfig  # noqa: E402
@@ -269,6 +269,7 @@ def _plot(path: str, r: RunResult) -> None:
     plt.close(fig)
 
 
+@console_script("fsdp-demo")
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fsdp-demo``; returns the exit status."""
     try:
