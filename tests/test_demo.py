@@ -148,7 +148,14 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         (["--nproc", "999"], "--nproc"),
         (["--nproc", "0"], "--nproc"),
         (["--steps", "0"], "--steps"),
-        (["--comm-hook", "fp8"], "--comm-hook"),
+        (
+            ["--comm-hook", "fp8"],
+            "--comm-hook: expected one of none, allreduce, reduce_scatter, fp16_compress, bf16_compress",
+        ),
+        (
+            ["--comm-hook", "user"],
+            "--comm-hook: expected one of none, allreduce, reduce_scatter, fp16_compress, bf16_compress",
+        ),
         (["--strategy", "NO_SHARD", "--comm-hook", "reduce_scatter"], "--comm-hook"),
         (["--mixed-precision", "bf16", "--comm-hook", "fp16_compress"], "--comm-hook"),
         (["--mixed-precision", "int8"], "--mixed-precision"),

@@ -47,6 +47,10 @@ __all__ = ["main", "parse_config"]
 MAX_NPROC = 64
 
 
+DEMO_HOOKS = ("none", "allreduce", "reduce_scatter", "fp16_compress", "bf16_compress")
+"""The comm hooks ``--comm-hook`` runs (a user hook needs code, so it is not offered)."""
+
+
 class BadArgument(ValueError):
     """An argument combination that cannot run; the message names the argument."""
 
@@ -66,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
     p.add_argument("--use-orig-params", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step; all but the last in no_sync()")
-    p.add_argument("--comm-hook", default="none", help="none, allreduce, reduce_scatter, fp16_compress, bf16_compress")
+    p.add_argument("--comm-hook", default="none", help=", ".join(DEMO_HOOKS))
     p.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -97,15 +101,11 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
     a = _parser().parse_args(argv)
     try:
         strategy = ShardingStrategy.parse(a.strategy)
-        hook = CommHook.parse(a.comm_hook)
     except ValueError as exc:
-        raise BadArgument(
-            str(exc).replace("sharding_strategy", "--strategy").replace("comm_hook", "--comm-hook")
-        ) from None
-    if hook is CommHook.USER:
-        raise BadArgument(
-            "--comm-hook: user hooks need code; accepted: none, allreduce, reduce_scatter, fp16_compress, bf16_compress"
-        )
+        raise BadArgument(str(exc).replace("sharding_strategy", "--strategy")) from None
+    if a.comm_hook not in DEMO_HOOKS:
+        raise BadArgument(f"--comm-hook: expected one of {', '.join(DEMO_HOOKS)}, got {a.comm_hook!r}")
+    hook = CommHook.parse(a.comm_hook)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else a.nproc
     cpus = os.cpu_count() or 1
     if not _under_torchrun() and not 1 <= a.nproc <= min(MAX_NPROC, 4 * cpus):
