@@ -17,7 +17,7 @@ def test_prints_the_seed_table_and_a_timeline_per_row(capsys: pytest.CaptureFixt
     assert main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith(format_seed_table(seed_calibration()) + "\n")
-    for head in ("fsdp: 1157.9 ms", "hsdp_sync: 640.0 ms", "hsdp_async: 597.0 ms", "hsdp_async: 556.0 ms"):
+    for head in ("fsdp: 1157.9 ms", "hsdp_sync: 640.0 ms", "hsdp_async: 597.0 ms", "hsdp_async_cross_nic: 556.0 ms"):
         assert head in out
     assert out.count("  compute       |") == 4
 

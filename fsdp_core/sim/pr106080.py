@@ -326,5 +326,6 @@ def format_seed_table(calibration: SeedCalibration) -> str:
 
 
 def format_seed_timeline(result: SeedResult, width: int = 100) -> str:
-    """The row's label, then ``format_iteration`` of its timeline, ``width`` columns wide."""
-    return f"{result.row.label}:\n{format_iteration(result.timeline, width)}"
+    """The row's label, then ``format_iteration`` of its timeline headed by the row's key,
+    ``width`` columns wide."""
+    return f"{result.row.label}:\n{format_iteration(result.timeline, width, name=result.row.key)}"

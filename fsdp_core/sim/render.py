@@ -39,10 +39,10 @@ def _concurrency(intervals: list[Interval]) -> int:
     return most
 
 
-def format_iteration(timeline: IterationTimeline, width: int = 100) -> str:
-    """An ASCII chart of ``timeline``, ``width`` columns wide: one row per stream that has work,
-    then one row per link that carries any, where a digit counts collectives sharing the link;
-    then a legend.
+def format_iteration(timeline: IterationTimeline, width: int = 100, name: str | None = None) -> str:
+    """An ASCII chart of ``timeline``, ``width`` columns wide, headed ``name`` (the schedule's by
+    default): one row per stream that has work, then one row per link that carries any, where a
+    digit counts collectives sharing the link; then a legend.
 
     Each interval covers the columns its time maps to, at least one; a later interval on the same
     row overwrites an earlier one in a shared column."""
@@ -80,7 +80,7 @@ def format_iteration(timeline: IterationTimeline, width: int = 100) -> str:
                 shared = _concurrency(here)
                 cells[k] = str(min(shared, 9)) if shared > 1 else ACTIVITY_MARKS[here[-1].activity]
         rows.append(f"  {link.value:<14}|{''.join(cells)}|")
-    head = f"{timeline.schedule.value}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
+    head = f"{name or timeline.schedule.value}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
     legend = (
         "  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
         "2-9 collectives sharing a link"
