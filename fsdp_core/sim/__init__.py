@@ -51,7 +51,14 @@ from fsdp_core.sim.pr106080 import (
     seed_model,
 )
 from fsdp_core.sim.render import ACTIVITY_MARKS, format_iteration, iteration_to_trace
-from fsdp_core.sim.timeline import CostModel, TimelineEntry, format_timeline, simulate_timeline, timeline_to_json
+from fsdp_core.sim.timeline import (
+    CostModel,
+    TimelineEntry,
+    describe_cost,
+    format_timeline,
+    simulate_timeline,
+    timeline_to_json,
+)
 
 __all__ = [
     "ACTIVITY_MARKS",
@@ -85,6 +92,7 @@ __all__ = [
     "SlowdownSample",
     "TimelineEntry",
     "UnitCosts",
+    "describe_cost",
     "fit_affine",
     "fit_collectives",
     "fit_seed",

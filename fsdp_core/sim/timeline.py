@@ -44,7 +44,7 @@ from fsdp_core.problems import JsonValue
 from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardSchedule
 
-__all__ = ["CostModel", "TimelineEntry", "format_timeline", "simulate_timeline", "timeline_to_json"]
+__all__ = ["CostModel", "TimelineEntry", "describe_cost", "format_timeline", "simulate_timeline", "timeline_to_json"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +67,17 @@ class CostModel:
                 raise ValueError(f"{name}: expected a positive bandwidth, got {getattr(self, name)}")
         if self.collective_latency < 0:
             raise ValueError(f"collective_latency: expected >= 0, got {self.collective_latency}")
+
+
+def describe_cost(cost: CostModel) -> str:
+    """One line naming what ``cost`` assumes, for a reader of a simulated timeline."""
+    gb = 1e9
+    return (
+        f"assumed: shard link {cost.shard_link_bandwidth / gb:g} GB/s and replicate link "
+        f"{cost.replicate_link_bandwidth / gb:g} GB/s per rank, device memory {cost.device_bandwidth / gb:g} GB/s, "
+        f"device-to-host {cost.host_bandwidth / gb:g} GB/s, {cost.collective_latency * 1e6:g} us per collective "
+        "(fsdp_core.sim.CostModel)"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

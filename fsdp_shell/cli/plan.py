@@ -48,7 +48,7 @@ from fsdp_core import (  # noqa: E402
     plan_unshard,
     unshard_to_json,
 )
-from fsdp_core.sim import format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
+from fsdp_core.sim import CostModel, describe_cost, format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
 from fsdp_shell.cli.parser import OneLineErrorParser, console_script  # noqa: E402
 
 __all__ = ["main", "parse_backward_prefetch", "parse_dtype", "plan_from_args", "unshard_from_args"]
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts = [format_plan(plan), _comm_table(plan), _verdict("verifier", problems)]
         if schedule is not None:
             parts += [format_unshard(schedule), _verdict("all-gather schedule", unshard_problems)]
-        parts.append(format_timeline(timeline))
+        parts.append(f"{format_timeline(timeline)}\n{describe_cost(CostModel())}")
         print("\n\n".join(parts))
     return 1 if problems or unshard_problems else 0
 
