@@ -50,8 +50,10 @@ def test_default_run_trains_and_held_out_loss_falls() -> None:
 def test_progress_bar_shows_loss_time_tokens_and_communication() -> None:
     done = demo("--steps", "3", *QUICK[1:])
     assert done.returncode == 0, done.stderr[-3000:]
-    for field in ("loss=", "ms=", "tok_s=", "comm_MB="):
-        assert field in done.stderr, done.stderr[-2000:]
+    fields = ("loss=", "held_out=", "ms=", "tok_s=", "comm_MiB=")
+    line = next(part for part in reversed(done.stderr.replace("\r", "\n").splitlines()) if "comm_MiB=" in part)
+    assert all(field in line for field in fields), line
+    assert [line.index(f) for f in fields] == sorted(line.index(f) for f in fields), f"loss first: {line}"
 
 
 @pytest.mark.parametrize(

@@ -204,11 +204,13 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step == result.start_step:
                 result.held_out.append((step + 1, _held_out_loss(model, corpus, cfg, rank, world, device)))
             bar.set_postfix(
-                loss=f"{result.losses[-1]:.3f}",
-                held_out=f"{result.held_out[-1][1]:.3f}",
-                ms=f"{elapsed * 1e3:.0f}",
-                tok_s=f"{result.tokens_per_step / elapsed:,.0f}",
-                comm_MB=f"{result.comm_bytes[-1] / 2**20:.2f}",
+                ordered_dict={
+                    "loss": f"{result.losses[-1]:.3f}",
+                    "held_out": f"{result.held_out[-1][1]:.3f}",
+                    "ms": f"{elapsed * 1e3:.0f}",
+                    "tok_s": f"{result.tokens_per_step / elapsed:,.0f}",
+                    "comm_MiB": f"{result.comm_bytes[-1] / 2**20:.2f}",
+                }
             )
             bar.update(1)
     bar.close()
