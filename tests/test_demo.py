@@ -213,4 +213,8 @@ def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:
     other[other.index("--layers") + 1] = "3"
     done = demo("--steps", "4", "--resume", str(tmp_path), *other, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "different model" in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "different model: layers 3 here, 2 in the checkpoint" in done.stderr, done.stderr
+    assert f"saved             {tmp_path} at step 2" in saved.stdout, saved.stdout
+    resumed = demo("--steps", "3", "--resume", str(tmp_path), *QUICK, timeout=120)
+    assert f"resumed from      {tmp_path} at step 2" in resumed.stdout, resumed.stdout

@@ -202,8 +202,16 @@ def _validate_resume(cfg: DemoConfig) -> None:
     if not Path(cfg.resume).is_dir():
         raise BadArgument(f"--resume: {cfg.resume} is not a directory")
     meta = read_meta(Path(cfg.resume))
-    if meta.get("model") != dataclasses.asdict(cfg.model):
-        raise BadArgument(f"--resume: {cfg.resume} holds a checkpoint of a different model ({meta.get('model')})")
+    here = dataclasses.asdict(cfg.model)
+    saved = meta.get("model")
+    if saved != here:
+        theirs = saved if isinstance(saved, dict) else {}
+        differ = ", ".join(
+            f"{k} {here.get(k)} here, {theirs.get(k)} in the checkpoint"
+            for k in sorted(set(here) | set(theirs))
+            if here.get(k) != theirs.get(k)
+        )
+        raise BadArgument(f"--resume: {cfg.resume} holds a checkpoint of a different model: {differ or saved}")
     step = meta.get("step")
     if not isinstance(step, int) or step >= cfg.steps:
         raise BadArgument(f"--steps: the checkpoint is at step {step}; ask for more steps than that")
@@ -235,6 +243,10 @@ def _summary(cfg: DemoConfig, r: RunResult) -> str:
             f"{statistics.mean(r.comm_bytes) / 2**20:.3f} MiB per rank (from the plans that ran)" if steps else "-",
         ),
     ]
+    if cfg.resume is not None:
+        rows.append(("resumed from", f"{cfg.resume} at step {r.start_step}"))
+    if cfg.save is not None:
+        rows.append(("saved", f"{cfg.save} at step {cfg.steps} ({cfg.strategy.name}, {r.world} rank(s))"))
     if r.check_diff is not None:
         tol = check_tolerance(cfg)
         rows.append(
