@@ -47,6 +47,18 @@ def test_default_run_trains_and_held_out_loss_falls() -> None:
     assert float(summary_value(done.stdout, "grad comm / step").split()[0]) > 0
 
 
+def test_the_all_reduce_hook_is_counted_as_an_all_reduce() -> None:
+    """``--comm-hook allreduce`` all-reduces the whole gradient: twice a reduce-scatter's bytes
+    on a ring, as ``fsdp-plan`` counts it."""
+    comm = {}
+    for hook in ("none", "allreduce", "reduce_scatter"):
+        done = demo("--steps", "2", "--comm-hook", hook, *QUICK)
+        assert done.returncode == 0, done.stderr[-3000:]
+        comm[hook] = float(summary_value(done.stdout, "grad comm / step").split()[0])
+    assert comm["reduce_scatter"] == comm["none"]
+    assert comm["allreduce"] == pytest.approx(2 * comm["none"], rel=0.01)
+
+
 def test_progress_bar_shows_loss_time_tokens_and_communication() -> None:
     done = demo("--steps", "3", *QUICK[1:])
     assert done.returncode == 0, done.stderr[-3000:]

@@ -103,12 +103,16 @@ def _hook(model: FullyShardedDataParallel, kind: CommHook) -> None:
     model.register_comm_hook(comm_hooks.DefaultState(model.process_group), fn)
 
 
-def _wire_bytes(entries: list[CollectiveRecord], sizes: dict[Group, int], sharded: bool) -> int:
+def _wire_bytes(entries: list[CollectiveRecord], sizes: dict[Group, int], sharded: bool, hook: CommHook) -> int:
+    """The gradient reductions' bytes on the wire per rank, counted as the plans count them
+    (``fsdp_core.plan.comm``): a comm hook as the collective it runs, the all-reduce hook as an
+    all-reduce of the whole gradient."""
+    hooked = "reduce_scatter" if sharded and hook is not CommHook.ALLREDUCE else "all_reduce"
     total = 0
     for op, group, dtype, numel, _ in entries:
         if op == "all_gather":
             continue
-        collective = op if op != "comm_hook" else ("reduce_scatter" if sharded else "all_reduce")
+        collective = op if op != "comm_hook" else hooked
         total += ring_bytes(collective, numel, sizes[group], dtype)
     return total
 
@@ -198,7 +202,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
             elapsed = time.perf_counter() - start
             result.losses.append(float(step_loss) / world)
             result.step_seconds.append(elapsed)
-            result.comm_bytes.append(_wire_bytes(model.collective_log()[logged:], sizes, cfg.strategy.is_sharded))
+            result.comm_bytes.append(_wire_bytes(model.collective_log()[logged:], sizes, cfg.strategy.is_sharded, cfg.comm_hook))
             if profiler is not None:
                 profiler.step()
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step == result.start_step:
