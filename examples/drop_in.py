@@ -1,7 +1,10 @@
-"""Drop-in use: the FSDP1 training loop, with one import changed. Spawns 2 gloo ranks on CPU.
+"""Drop-in use: the FSDP1 training loop, with one import changed.
 
-Run: python examples/drop_in.py  (or put ``train``'s body under torchrun)
+Run: python examples/drop_in.py  (spawns 2 gloo ranks on CPU)
+ or: torchrun --nproc-per-node 2 examples/drop_in.py  (the launcher's ranks, gloo)
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -13,7 +16,7 @@ from fsdp_shell.cli.launch import run_world
 
 
 def train(rank: int, world: int, _: None) -> None:
-    """One rank; ``run_world`` has initialised a gloo process group on loopback."""
+    """One rank, in an initialised process group (``run_world``'s, or torchrun's)."""
     assert dist.is_initialized()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -40,4 +43,11 @@ def train(rank: int, world: int, _: None) -> None:
 
 
 if __name__ == "__main__":
-    run_world(2, train, None)
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        dist.init_process_group("gloo")
+        try:
+            train(dist.get_rank(), dist.get_world_size(), None)
+        finally:
+            dist.destroy_process_group()
+    else:
+        run_world(2, train, None)
