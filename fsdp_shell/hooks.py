@@ -320,8 +320,18 @@ def run_virtually(tree: Tree, event: HookEvent, grad_on: bool) -> None:
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _waiting(tree: Tree, unit: int, step: str) -> contextlib.AbstractContextManager[None]:
-    return translating_timeouts(step, functools.partial(tree.where, unit), sequenced=tree.options.ranks_may_diverge)
+@contextlib.contextmanager
+def _waiting(tree: Tree, unit: int, step: str) -> Iterator[None]:
+    """One FSDP step of ``unit``: a range ``fsdp::<step> unit <n>`` in a ``torch.profiler`` trace
+    (so Perfetto tells one unit's collectives from another's), and a backend's timeout in it
+    translated to ``CollectiveTimeoutError``."""
+    where = functools.partial(tree.where, unit)
+    label = f"fsdp::{step} unit {unit}" if unit >= 0 else f"fsdp::{step}"
+    with (
+        torch.profiler.record_function(label),
+        translating_timeouts(step, where, sequenced=tree.options.ranks_may_diverge),
+    ):
+        yield
 
 
 def _tensors_in(out: object) -> Iterator[torch.Tensor]:

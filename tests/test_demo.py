@@ -142,7 +142,10 @@ def test_profile_writes_a_trace_per_rank(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     traces = sorted(p.name for p in tmp_path.glob("trace_rank*.json"))
     assert traces == ["trace_rank0.json", "trace_rank1.json"]
-    assert "traceEvents" in (tmp_path / "trace_rank0.json").read_text()[:2000]
+    trace = (tmp_path / "trace_rank0.json").read_text()
+    assert "traceEvents" in trace[:2000]
+    for step in ("forward unit 0", "backward unit 0", "gradient reduction unit 0", "end of backward unit"):
+        assert f'"fsdp::{step}' in trace, step
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the plot extra is not installed")

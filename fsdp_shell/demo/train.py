@@ -202,7 +202,9 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
             elapsed = time.perf_counter() - start
             result.losses.append(float(step_loss) / world)
             result.step_seconds.append(elapsed)
-            result.comm_bytes.append(_wire_bytes(model.collective_log()[logged:], sizes, cfg.strategy.is_sharded, cfg.comm_hook))
+            result.comm_bytes.append(
+                _wire_bytes(model.collective_log()[logged:], sizes, cfg.strategy.is_sharded, cfg.comm_hook)
+            )
             if profiler is not None:
                 profiler.step()
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step == result.start_step:
