@@ -419,8 +419,8 @@ class FullyShardedDataParallel(nn.Module):
         ``rank0_only``: only rank 0 sees them; ``offload_to_cpu``: on the host; ``with_grads``
         (``use_orig_params``): their gradients too. A collective; not inside forward or backward
         (``fsdp_shell.units.summon``)."""
-        given = {"recurse": recurse, "writeback": writeback, "rank0_only": rank0_only}
-        for name, value in {**given, "offload_to_cpu": offload_to_cpu, "with_grads": with_grads}.items():
+        flags = ("recurse", recurse), ("writeback", writeback), ("rank0_only", rank0_only)
+        for name, value in (*flags, ("offload_to_cpu", offload_to_cpu), ("with_grads", with_grads)):
             flag(name, value)
         if recurse:
             units = FullyShardedDataParallel.fsdp_modules(module)

@@ -41,6 +41,7 @@ from fsdp_shell.demo import models  # noqa: E402
 from fsdp_shell.demo.checkpoint import CheckpointError, read_meta  # noqa: E402
 from fsdp_shell.demo.model import ModelConfig  # noqa: E402
 from fsdp_shell.demo.train import DemoConfig, RunResult, check_tolerance, run_rank  # noqa: E402
+from fsdp_shell.runtime.device import current_accelerator  # noqa: E402
 
 __all__ = ["main", "parse_config"]
 
@@ -293,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fsdp-demo: error: --resume: {exc}", file=sys.stderr)
         return 1
     if _under_torchrun():
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        accelerator = current_accelerator()
         backend = "gloo" if accelerator is None else dist.get_default_backend_for_device(accelerator)
         if accelerator is not None:
             torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))

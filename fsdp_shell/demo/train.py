@@ -23,6 +23,7 @@ from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo.model import ModelConfig, lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
+from fsdp_shell.runtime.device import current_accelerator
 from fsdp_shell.runtime.log import CollectiveRecord
 
 __all__ = ["DemoConfig", "RunResult", "reference_params", "run_rank"]
@@ -255,7 +256,7 @@ def _profiler(cfg: DemoConfig, rank: int) -> torch.profiler.profile | None:
         prof.export_chrome_trace(str(directory / f"trace_rank{rank}.json"))
 
     activities = [torch.profiler.ProfilerActivity.CPU]
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator = current_accelerator()
     if accelerator is not None and accelerator.type.upper() in torch.profiler.ProfilerActivity.__members__:
         activities.append(torch.profiler.ProfilerActivity.__members__[accelerator.type.upper()])
     return torch.profiler.profile(

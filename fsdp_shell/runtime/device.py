@@ -13,7 +13,14 @@ from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_shell.runtime.protocol import Runtime
 
-__all__ = ["RuntimeFactory", "checked_device_id", "default_device", "make_runtime", "set_cpu_runtime"]
+__all__ = [
+    "RuntimeFactory",
+    "checked_device_id",
+    "current_accelerator",
+    "default_device",
+    "make_runtime",
+    "set_cpu_runtime",
+]
 
 RuntimeFactory = Callable[[ProcessGroups, CollectiveLog], Runtime]
 """Makes the runtime of a tree from its process groups and its collective log."""
@@ -22,9 +29,14 @@ _factories: dict[str, RuntimeFactory] = {}
 """Runtime factories that replace the built-in runtime, by device type (``set_cpu_runtime``)."""
 
 
+def current_accelerator() -> torch.device | None:
+    """This machine's accelerator (``cuda``, ``xpu``, ...), None where there is none."""
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
 def _accelerator_type() -> str:
     """The type of this machine's accelerator (``cuda`` where there is none, as FSDP1 assumes)."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator = current_accelerator()
     return "cuda" if accelerator is None else accelerator.type
 
 
