@@ -23,7 +23,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_core import BackwardPrefetch, DivisionPolicy, HybridAllReduce, ShardingStrategy
 from fsdp_shell import comm_hooks, hooks
-from fsdp_shell.options import flag, parse_options
+from fsdp_shell.options import check_mixed_precision, flag, parse_options
 from fsdp_shell.runtime.log import CollectiveRecord
 from fsdp_shell.state.optim_state import optim_state_dict as optim_state_dict_of
 from fsdp_shell.state.optim_state import optim_state_dict_to_load
@@ -41,7 +41,12 @@ from fsdp_shell.units.flat_param import FlatParamHandle
 from fsdp_shell.units.grad_norm import clip_grad_norm
 from fsdp_shell.units.summon import check_summon_options, summoned
 
-__all__ = ["FSDP", "FullyShardedDataParallel"]
+__all__ = ["FLAT_PARAM", "FSDP", "WRAPPED_MODULE", "FullyShardedDataParallel"]
+
+WRAPPED_MODULE = "_fsdp_wrapped_module"
+"""Where a wrapper registers the module it wraps (FSDP1's name)."""
+FLAT_PARAM = "_flat_param"
+"""Where the wrapped module holds its unit's flat parameter without ``use_orig_params`` (FSDP1's name)."""
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -147,6 +152,7 @@ class FullyShardedDataParallel(nn.Module):
             param_init_fn=param_init_fn,
             sync_module_states=sync_module_states,
         )
+        check_mixed_precision(module, mixed_precision, options)
         tree, sites = make_tree(
             module,
             options,
@@ -172,10 +178,18 @@ class FullyShardedDataParallel(nn.Module):
     def _attach(self, module: nn.Module, tree: Tree, index: int) -> None:
         self._tree = tree
         self._index = index
-        self.module = module
+        self._fsdp_wrapped_module = module
         h = tree.handles[index]
         if h is not None and not tree.options.use_orig_params:
-            self.register_parameter("_flat_param", h.flat_param)
+            module.register_parameter(FLAT_PARAM, h.flat_param)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (registered as ``_fsdp_wrapped_module``, FSDP1's name, so
+        ``named_parameters()`` and ``named_modules()`` give FSDP1's names, which torch's
+        ``clean_tensor_name`` turns into the unwrapped model's)."""
+        wrapped: nn.Module = self._modules[WRAPPED_MODULE]  # type: ignore[assignment]  # registered in _attach
+        return wrapped
 
     @property
     def _is_root(self) -> bool:
@@ -184,6 +198,14 @@ class FullyShardedDataParallel(nn.Module):
     def _require_root(self, what: str) -> None:
         if not self._is_root:
             raise RuntimeError(f"{what}: call it on the root FullyShardedDataParallel module")
+
+    def _require_state_root(self, what: str) -> None:
+        if not self._is_root:
+            prefix = self._tree.prefix(self._index)
+            raise RuntimeError(
+                f"{what}: this is a nested FSDP unit ({self._tree.where(self._index)}); call {what}() on the root "
+                f"FullyShardedDataParallel module, where this unit's entries are the keys starting with {prefix!r}"
+            )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """All-gather this unit's parameters, run the wrapped module on autograd views of them,
@@ -197,8 +219,8 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            wrapped = self.__dict__.get("_modules", {}).get("module")
-            if wrapped is None or name == "module":
+            wrapped = self.__dict__.get("_modules", {}).get(WRAPPED_MODULE)
+            if wrapped is None or name == WRAPPED_MODULE:
                 raise
             return getattr(wrapped, name)
 
@@ -333,10 +355,10 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """FSDP1's default: the full state dict under the unwrapped module's keys; inside
         ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``, DTensor shards for
-        ``torch.distributed.checkpoint``. A collective: every rank calls it. (A nested unit,
-        reached by ``nn.Module``'s recursion from below the root, gives ``nn.Module``'s own.)"""
-        if not self._is_root:
-            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        ``torch.distributed.checkpoint``. A collective: every rank calls it. On a nested unit,
+        ``RuntimeError`` naming the root's keys to use: the unit's own ``nn.Module`` state dict
+        would be its flat parameter's shard."""
+        self._require_state_root("state_dict")
         if args:
             raise TypeError("state_dict: pass destination, prefix and keep_vars by keyword")
         tree = self._tree
@@ -354,10 +376,9 @@ class FullyShardedDataParallel(nn.Module):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
         """The inverse of ``state_dict()``: full tensors or DTensors under the unwrapped
-        module's keys, copied into this rank's shards."""
-        if not self._is_root:
-            own: _IncompatibleKeys = super().load_state_dict(state_dict, strict=strict, assign=assign)
-            return own
+        module's keys, copied into this rank's shards. ``RuntimeError`` on a nested unit, as
+        ``state_dict()``."""
+        self._require_state_root("load_state_dict")
         if assign:
             raise ValueError("load_state_dict: assign=True would replace the sharded parameters; use assign=False")
         return load_state_dict(

@@ -86,7 +86,8 @@ def _before_forward(
     h = tree.handles[unit]
     with tree.log.during(Phase.FORWARD), _waiting(tree, unit, "forward"):
         if unit == tree.root:
-            args, kwargs = _begin_iteration(tree, args, kwargs, grad_on)
+            _begin_iteration(tree, grad_on)
+        args, kwargs = _cast_inputs(tree, unit, args, kwargs)
         if h is not None:
             if unit != tree.root:
                 _sequence(tree, HookEvent(Event.PRE_FORWARD, unit), grad_on)
@@ -128,11 +129,9 @@ def _after_forward(tree: Tree, unit: int, out: Any, grad_on: bool) -> Any:
     return out
 
 
-def _begin_iteration(
-    tree: Tree, args: tuple[Any, ...], kwargs: dict[str, Any], grad_on: bool
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _begin_iteration(tree: Tree, grad_on: bool) -> None:
     """The root's forward starts an iteration: the ranks agree (first time only), a backward that
-    did not finish is dropped, gradients the user dropped are freed, the inputs are cast."""
+    did not finish is dropped, gradients the user dropped are freed."""
     if not tree.first_forward_done:
         tree.agreement_seconds = check_agreement(tree)
         tree.first_forward_done = True
@@ -143,14 +142,26 @@ def _begin_iteration(
         h.reclaim(at_forward=True)
     if grad_on:
         tree.unshard.begin_forward()
-    low = tree.options.mixed_precision.param_dtype
-    if low is not None:
-        args, kwargs = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
-    return args, kwargs
+
+
+def _cast_inputs(
+    tree: Tree, unit: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """FSDP1's input casts: a unit with parameters casts its floating-point inputs to
+    ``param_dtype`` with ``cast_forward_inputs``, the root with ``cast_root_forward_inputs``
+    (the default) too."""
+    mp = tree.options.mixed_precision
+    low = mp.param_dtype
+    cast = mp.cast_forward_inputs and tree.handles[unit] is not None
+    if unit == tree.root:
+        cast = cast or mp.cast_root_forward_inputs
+    if low is None or not cast:
+        return args, kwargs
+    cast_args: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
+    return cast_args
 
 
 def _cast_floating(x: object, dtype: torch.dtype) -> object:
-    """FSDP1's root input cast: floating-point tensors to the compute dtype."""
     if isinstance(x, torch.Tensor) and torch.is_floating_point(x):
         return x.to(dtype)
     return x

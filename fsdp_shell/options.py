@@ -12,7 +12,6 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from fsdp_core import (
@@ -30,6 +29,7 @@ __all__ = [
     "SubtreePolicy",
     "TargetPolicy",
     "WrapPolicy",
+    "check_mixed_precision",
     "flag",
     "parse_options",
     "to_backward_prefetch",
@@ -206,25 +206,43 @@ def to_sharding_strategy(value: object) -> ShardingStrategy:
 
 
 def to_mixed_precision(value: object) -> MixedPrecision:
-    """fsdp_core's ``MixedPrecision`` from ours, torch's (same field names) or None."""
+    """fsdp_core's ``MixedPrecision`` from ours, torch's (same field names) or None. Torch's
+    ``_module_classes_to_ignore`` is checked against the model by ``check_mixed_precision``."""
     if value is None:
         return MixedPrecision()
     if isinstance(value, MixedPrecision):
         return value
     fields = ("param_dtype", "reduce_dtype", "keep_low_precision_grads")
     if all(hasattr(value, f) for f in fields):
-        buffer_dtype = getattr(value, "buffer_dtype", None)
-        if buffer_dtype is not None:
-            raise ValueError("mixed_precision.buffer_dtype: buffers are kept in their own dtype; pass None")
-        param_dtype, reduce_dtype, keep = (getattr(value, f) for f in fields)
-        if (
-            (param_dtype is not None and not isinstance(param_dtype, torch.dtype))
-            or (reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype))
-            or not isinstance(keep, bool)
-        ):
-            raise TypeError(f"mixed_precision: fields of {value!r} are not dtypes/bool")
-        return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, keep_low_precision_grads=keep)
+        optional = {"buffer_dtype": None, "cast_forward_inputs": False, "cast_root_forward_inputs": True}
+        given = {f: getattr(value, f) for f in fields} | {f: getattr(value, f, d) for f, d in optional.items()}
+        return MixedPrecision(**given)
     raise TypeError(f"mixed_precision: expected None or a MixedPrecision (fsdp_core's or torch's), got {value!r}")
+
+
+def check_mixed_precision(module: nn.Module, mixed_precision: object, options: Options) -> None:
+    """FSDP1 wraps modules of ``mixed_precision._module_classes_to_ignore`` (torch's default:
+    batch norms) in full-precision units of their own when an ``auto_wrap_policy`` is given;
+    every unit of a tree here shares one mixed precision, so such a model is refused, naming the
+    modules and the choices."""
+    mp = options.mixed_precision
+    low = mp.param_dtype is not None or mp.reduce_dtype is not None or mp.buffer_dtype is not None
+    classes = tuple(getattr(mixed_precision, "_module_classes_to_ignore", ()) or ())
+    if options.wrap is None or not low or not classes:
+        return
+    found = [
+        f"{name or 'the root module'} ({type(m).__name__})"
+        for name, m in module.named_modules()
+        if isinstance(m, classes)
+    ]
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ValueError(
+            f"mixed_precision: FSDP1 keeps {shown} (its _module_classes_to_ignore: "
+            f"{', '.join(c.__name__ for c in classes)}) in full precision in units of their own; here every "
+            "unit of a tree shares one mixed precision. Pass torch's MixedPrecision(..., "
+            "_module_classes_to_ignore=()) to run them in param_dtype too, or fsdp_core's MixedPrecision"
+        )
 
 
 def to_cpu_offload(value: object) -> CPUOffload:

@@ -44,11 +44,12 @@ from fsdp_shell.runtime.groups import ProcessGroups, duplicate_group, group_time
 from fsdp_shell.runtime.interpreter import CommHookFn, PlanRun
 from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.safety import stale_optimizer
 from fsdp_shell.safety.sequencer import Sequencer
 from fsdp_shell.state.state_dict import StateDictSettings, StateEntry, state_entries
 from fsdp_shell.units.build import UnitSite, build_handles, find_units, param_names
 from fsdp_shell.units.flat_param import FlatParamHandle
-from fsdp_shell.units.init import broadcast_states, materialize
+from fsdp_shell.units.init import broadcast_states, cast_buffers, materialize
 from fsdp_shell.units.unshard import UnshardRunner
 
 __all__ = ["IterationState", "Settings", "Tree", "make_tree"]
@@ -118,6 +119,8 @@ class Tree:
     state_entries: tuple[StateEntry, ...]
     """The unwrapped module's ``state_dict()`` keys and where each value lives."""
     settings: Settings
+    paths: tuple[str, ...] = ()
+    """Every unit's module path in the unwrapped model by unit index ("" for the root)."""
     plans: PlanCache = field(default_factory=lambda: PlanCache(verify=True))
     """Every post-backward plan of the tree, verified once when first built."""
     iteration: IterationState = field(default_factory=IterationState)
@@ -143,6 +146,11 @@ class Tree:
         if h is not None and h.layout.params:
             label += f" (holding {h.layout.params[0].name})"
         return label
+
+    def prefix(self, unit: int) -> str:
+        """The unwrapped model's ``state_dict()`` key prefix of ``unit``'s entries ("" for the root)."""
+        path = self.paths[unit]
+        return f"{path}." if path else ""
 
     @cached_property
     def control(self) -> dist.ProcessGroup:
@@ -198,6 +206,7 @@ def make_tree(
         broadcast_states(
             module, (groups.shard,) if groups.replicate is None else (groups.shard, groups.replicate), is_wrapped
         )
+    cast_buffers(module, options.mixed_precision.buffer_dtype, is_wrapped)
     log = CollectiveLog()
     runtime = make_runtime(device, groups, log)
     division = Division(policy=options.division_policy, backend=groups.caps)
@@ -208,6 +217,8 @@ def make_tree(
         rank=groups.shard.rank(),
     )
     sites = find_units(module, options.wrap, is_wrapped)
+    originals = list(module.named_parameters())
+    path_of = {id(m): name for name, m in module.named_modules()}
     handles = build_handles(
         sites,
         names,
@@ -219,6 +230,9 @@ def make_tree(
         device=device,
         is_wrapped=is_wrapped,
     )
+    if not options.use_orig_params:
+        flattened = {p.fqn for h in handles if h is not None for p in h.params}
+        stale_optimizer.watch((name, p) for name, p in originals if name in flattened)
     strategy = options.strategy
     unshard = UnshardRunner(
         handles,
@@ -238,5 +252,6 @@ def make_tree(
         unshard=unshard,
         state_entries=entries,
         settings=Settings(division=division),
+        paths=tuple(path_of[id(site.module)] for site in sites),
     )
     return tree, sites

@@ -145,19 +145,28 @@ class MixedPrecision:
     autograd produces). Gradients are reduced in ``reduce_dtype``, or in ``param_dtype`` when
     ``reduce_dtype`` is None. The optimizer receives gradients in the parameter's original
     dtype unless ``keep_low_precision_grads``, in which case it receives the reduce dtype.
+
+    The rest concern the forward, not the gradient's plan: floating-point buffers are kept in
+    ``buffer_dtype`` (None: their own dtype; state dicts give them in their own dtype either way);
+    ``cast_forward_inputs`` casts every unit's floating-point forward inputs to ``param_dtype``,
+    ``cast_root_forward_inputs`` (default) the root's.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
+    buffer_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         _check_float_dtype("mixed_precision.param_dtype", self.param_dtype)
         _check_float_dtype("mixed_precision.reduce_dtype", self.reduce_dtype)
-        if not isinstance(self.keep_low_precision_grads, bool):
-            raise TypeError(
-                f"mixed_precision.keep_low_precision_grads: expected a bool, got {self.keep_low_precision_grads!r}"
-            )
+        _check_float_dtype("mixed_precision.buffer_dtype", self.buffer_dtype)
+        for name in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"mixed_precision.{name}: expected a bool, got {value!r}")
 
     def compute_dtype(self, orig: torch.dtype, *, force_full_precision: bool = False) -> torch.dtype:
         """The dtype of the gradient autograd produces for a parameter of dtype ``orig``."""

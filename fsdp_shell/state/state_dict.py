@@ -121,6 +121,9 @@ class StateEntry:
     module: nn.Module
     attr: str
     param: str = ""
+    dtype: torch.dtype | None = None
+    """A buffer's dtype in the unwrapped module: state dicts give it so, whatever
+    ``MixedPrecision.buffer_dtype`` keeps it in."""
 
 
 def state_entries(module: nn.Module, param_names: Mapping[int, str]) -> tuple[StateEntry, ...]:
@@ -153,7 +156,7 @@ def _walk(module: nn.Module, prefix: str, names: Mapping[int, str]) -> Iterator[
             yield StateEntry(prefix + attr, EntryKind.PARAM, module, attr, names[id(p)])
     for attr, b in module._buffers.items():
         if b is not None and attr not in module._non_persistent_buffers_set:
-            yield StateEntry(prefix + attr, EntryKind.BUFFER, module, attr)
+            yield StateEntry(prefix + attr, EntryKind.BUFFER, module, attr, dtype=b.dtype)
     if type(module).get_extra_state is not nn.Module.get_extra_state:
         yield StateEntry(prefix + "_extra_state", EntryKind.EXTRA, module, "")
     for name, child in module._modules.items():
@@ -171,6 +174,8 @@ def _buffer(entry: StateEntry) -> torch.Tensor:
 def _other(entry: StateEntry, offload: bool) -> object:
     if entry.kind is EntryKind.BUFFER:
         buf = _buffer(entry).detach().clone()
+        if entry.dtype is not None and buf.dtype != entry.dtype:
+            buf = buf.to(entry.dtype)
         return buf.cpu() if offload else buf
     return entry.module.get_extra_state()
 

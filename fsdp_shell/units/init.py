@@ -7,7 +7,8 @@ module that is not already an FSDP tree of its own, breadth-first; without one, 
 that holds a meta parameter or buffer of its own is moved with ``to_empty(recurse=False)`` and
 initialized with its ``reset_parameters()``. ``broadcast_states`` copies rank 0's parameters
 and buffers to every rank of the groups, so a model loaded on rank 0 alone (the others built on
-meta) starts the same everywhere.
+meta) starts the same everywhere. ``cast_buffers`` keeps floating-point buffers in
+``MixedPrecision.buffer_dtype``, as FSDP1 does from the first forward on.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["broadcast_states", "materialize"]
+__all__ = ["broadcast_states", "cast_buffers", "materialize"]
 
 
 def _modules(root: nn.Module, is_wrapped: Callable[[nn.Module], bool]) -> Iterator[nn.Module]:
@@ -87,3 +88,14 @@ def broadcast_states(
         with torch.no_grad():
             for t in states:
                 dist.broadcast(t.data, src=src, group=group)
+
+
+def cast_buffers(root: nn.Module, dtype: torch.dtype | None, is_wrapped: Callable[[nn.Module], bool]) -> None:
+    """Every floating-point buffer of ``root`` (outside already-wrapped trees, non-persistent
+    ones too) in ``dtype``; nothing for None."""
+    if dtype is None:
+        return
+    for m in _modules(root, is_wrapped):
+        for buf in m.buffers(recurse=False):
+            if torch.is_floating_point(buf) and buf.dtype != dtype:
+                buf.data = buf.data.to(dtype)

@@ -1,0 +1,230 @@
+"""FSDP1's names, mixed-precision forward settings and silent traps, against FSDP1 itself in the
+same gloo world of 2 (issue 17):
+
+- ``named_parameters()``, ``named_buffers()`` and ``named_modules()`` give FSDP1's names
+  (``_fsdp_wrapped_module`` segments, ``_flat_param`` on the wrapped module), flat and
+  ``use_orig_params``, nested units; ``state_dict()`` keys are the unwrapped model's;
+- ``MixedPrecision(buffer_dtype=..., cast_forward_inputs=...)``: the forward, the gradients and
+  the state dict equal FSDP1's bit for bit (bf16), the buffers are kept in ``buffer_dtype`` and the
+  state dict gives them in their own dtype; without ``cast_forward_inputs`` a unit fed an fp32
+  input fails as FSDP1's does; torch's default ``_module_classes_to_ignore`` (batch norms) with a
+  policy is refused, naming the module;
+- ``state_dict()`` / ``load_state_dict()`` on a nested unit raise, naming the root's keys;
+- an optimizer built before wrapping (flat parameters) warns once at its first ``step()``, naming
+  the fix; one built after, or with ``use_orig_params``, does not.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from fsdp_shell import FSDP
+from fsdp_shell.safety.stale_optimizer import StaleOptimizerWarning
+from tests.dist_harness import run_world
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1.5))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x) * self.scale
+        return out
+
+
+class Net(nn.Module):
+    """The head unit is fed ``blocks(x) + offset``: an fp32 input when the buffer is fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = Block()
+        self.register_buffer("offset", torch.full((4,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.blocks(self.embed(x)) + self.offset)
+        return out
+
+
+def _names(model: nn.Module) -> dict[str, list[str]]:
+    return {
+        "parameters": [n for n, _ in model.named_parameters()],
+        "buffers": [n for n, _ in model.named_buffers()],
+        "modules": [n for n, _ in model.named_modules()],
+        "state_dict": list(model.state_dict()),
+    }
+
+
+def names(rank: int, world: int, _: None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for use_orig_params in (False, True):
+        torch.manual_seed(0)
+        net = Net()
+        ours = FSDP(copy.deepcopy(net), auto_wrap_policy={Block}, use_orig_params=use_orig_params)
+        theirs = TorchFSDP(
+            net,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
+        )
+        out[f"ours {use_orig_params}"] = _names(ours)
+        out[f"theirs {use_orig_params}"] = _names(theirs)
+        out[f"has_flat_param {use_orig_params}"] = [
+            (hasattr(m, "_flat_param"), "_flat_param" in m.module._parameters) for m in (ours, ours.head)
+        ]
+        for what in ("state_dict", "load_state_dict"):
+            try:
+                if what == "state_dict":
+                    ours.head.state_dict()
+                else:
+                    ours.head.load_state_dict({})
+                out[f"nested {what}"] = "accepted"
+            except RuntimeError as error:
+                out[f"nested {what}"] = str(error)
+    return out
+
+
+def test_names_are_fsdp1s() -> None:
+    for out in run_world(2, names, None, timeout=120):
+        for use_orig_params in (False, True):
+            assert out[f"ours {use_orig_params}"] == out[f"theirs {use_orig_params}"]
+        assert "_fsdp_wrapped_module.head._fsdp_wrapped_module._flat_param" in out["theirs False"]["parameters"]  # type: ignore[index]  # a dict of lists
+        assert out["has_flat_param False"] == [(True, True), (True, True)]
+        assert out["has_flat_param True"] == [(False, False), (False, False)]
+        for what in ("state_dict", "load_state_dict"):
+            message = str(out[f"nested {what}"])
+            assert "nested FSDP unit" in message and "'head.'" in message and f"call {what}()" in message
+
+
+def _mp(torch_config: bool, cast_forward_inputs: bool) -> object:
+    from fsdp_core import MixedPrecision
+
+    kinds = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "buffer_dtype": torch.bfloat16}
+    if torch_config:
+        return TorchMixedPrecision(**kinds, cast_forward_inputs=cast_forward_inputs)
+    return MixedPrecision(**kinds, cast_forward_inputs=cast_forward_inputs)
+
+
+def precision(rank: int, world: int, _: None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    for use_orig_params in (False, True):
+        torch.manual_seed(0)
+        net = Net()
+        ours = FSDP(
+            copy.deepcopy(net),
+            auto_wrap_policy={Block},
+            mixed_precision=_mp(False, True),
+            use_orig_params=use_orig_params,
+        )
+        theirs = TorchFSDP(
+            net,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            mixed_precision=_mp(True, True),
+            use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
+        )
+        runs = {}
+        for label, model in (("ours", ours), ("theirs", theirs)):
+            y = model(x)
+            y.float().square().mean().backward()
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            runs[label] = (y.detach(), grads, model.state_dict())
+        (y0, g0, s0), (y1, g1, s1) = runs["ours"], runs["theirs"]
+        out[f"output {use_orig_params}"] = (y0.dtype, torch.equal(y0, y1))
+        out[f"grads {use_orig_params}"] = len(g0) == len(g1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+        out[f"state_dict {use_orig_params}"] = list(s0) == list(s1) and all(
+            s0[k].dtype == s1[k].dtype and torch.equal(s0[k], s1[k]) for k in s0
+        )
+        out[f"buffer dtypes {use_orig_params}"] = sorted({str(b.dtype) for b in ours.buffers()})
+        out[f"saved buffer dtypes {use_orig_params}"] = (s0["offset"].dtype, s0["head.steps"].dtype)
+
+    from fsdp_core import MixedPrecision
+
+    torch.manual_seed(0)
+    uncast = FSDP(Net(), auto_wrap_policy={Block}, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    try:
+        uncast(x)
+        out["uncast"] = "ran"
+    except RuntimeError as error:
+        out["uncast"] = str(error)
+
+    with_norm = nn.Sequential(Block(), nn.BatchNorm1d(4))
+    try:
+        FSDP(with_norm, auto_wrap_policy={Block}, mixed_precision=TorchMixedPrecision(param_dtype=torch.bfloat16))
+        out["batch_norm"] = "accepted"
+    except ValueError as error:
+        out["batch_norm"] = str(error)
+    kept = FSDP(
+        nn.Sequential(Block(), nn.BatchNorm1d(4)),
+        auto_wrap_policy={Block},
+        mixed_precision=TorchMixedPrecision(
+            param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, _module_classes_to_ignore=()
+        ),
+    )
+    out["batch_norm_opt_out"] = kept(x).dtype
+    return out
+
+
+def test_buffer_dtype_and_cast_forward_inputs_as_fsdp1() -> None:
+    for out in run_world(2, precision, None, timeout=120):
+        for use_orig_params in (False, True):
+            assert out[f"output {use_orig_params}"] == (torch.bfloat16, True)
+            assert out[f"grads {use_orig_params}"] is True
+            assert out[f"state_dict {use_orig_params}"] is True
+            assert out[f"buffer dtypes {use_orig_params}"] == ["torch.bfloat16", "torch.int64"]
+            assert out[f"saved buffer dtypes {use_orig_params}"] == (torch.float32, torch.int64)
+        assert "dtype" in str(out["uncast"])
+        message = str(out["batch_norm"])
+        assert message.startswith("mixed_precision: FSDP1 keeps 1 (BatchNorm1d)")
+        assert "_module_classes_to_ignore=()" in message
+        assert out["batch_norm_opt_out"] == torch.bfloat16
+
+
+def stale(rank: int, world: int, _: None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    x = torch.randn(2, 4)
+    for use_orig_params in (False, True):
+        torch.manual_seed(0)
+        net = Net()
+        before = torch.optim.SGD(net.parameters(), lr=0.1)
+        model = FSDP(net, auto_wrap_policy={Block}, use_orig_params=use_orig_params)
+        after = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model(x).sum().backward()
+                before.step()
+                after.step()
+        out[f"warnings {use_orig_params}"] = [
+            str(w.message) for w in caught if issubclass(w.category, StaleOptimizerWarning)
+        ]
+    return out
+
+
+def test_an_optimizer_built_before_wrapping_warns_once() -> None:
+    for out in run_world(2, stale, None, timeout=120):
+        (message,) = out["warnings False"]  # type: ignore[misc]  # a list of str
+        assert "SGD holds 8 parameter(s)" in message and "embed.weight" in message
+        assert "SGD(model.parameters(), ...)" in message
+        assert out["warnings True"] == []
+
+
+@pytest.mark.parametrize("field", ["buffer_dtype", "cast_forward_inputs", "cast_root_forward_inputs"])
+def test_bad_mixed_precision_fields_are_named(field: str) -> None:
+    from fsdp_core import MixedPrecision
+
+    with pytest.raises(TypeError, match=f"mixed_precision.{field}"):
+        MixedPrecision(**{field: "yes"})  # type: ignore[arg-type]  # the wrong type is the point
