@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -108,13 +109,13 @@ def test_names_are_fsdp1s() -> None:
             assert "nested FSDP unit" in message and "'head.'" in message and f"call {what}()" in message
 
 
-def _mp(torch_config: bool, cast_forward_inputs: bool) -> object:
+def _mp(torch_config: bool) -> Any:
     from fsdp_core import MixedPrecision
 
-    kinds = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "buffer_dtype": torch.bfloat16}
+    low, high = torch.bfloat16, torch.float32
     if torch_config:
-        return TorchMixedPrecision(**kinds, cast_forward_inputs=cast_forward_inputs)
-    return MixedPrecision(**kinds, cast_forward_inputs=cast_forward_inputs)
+        return TorchMixedPrecision(param_dtype=low, reduce_dtype=high, buffer_dtype=low, cast_forward_inputs=True)
+    return MixedPrecision(param_dtype=low, reduce_dtype=high, buffer_dtype=low, cast_forward_inputs=True)
 
 
 def precision(rank: int, world: int, _: None) -> dict[str, object]:
@@ -126,13 +127,13 @@ def precision(rank: int, world: int, _: None) -> dict[str, object]:
         ours = FSDP(
             copy.deepcopy(net),
             auto_wrap_policy={Block},
-            mixed_precision=_mp(False, True),
+            mixed_precision=_mp(False),
             use_orig_params=use_orig_params,
         )
         theirs = TorchFSDP(
             net,
             auto_wrap_policy=ModuleWrapPolicy({Block}),
-            mixed_precision=_mp(True, True),
+            mixed_precision=_mp(True),
             use_orig_params=use_orig_params,
             device_id=torch.device("cpu"),
         )
@@ -204,7 +205,7 @@ def stale(rank: int, world: int, _: None) -> dict[str, object]:
         after = torch.optim.SGD(model.parameters(), lr=0.1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(2):
+            for _step in range(2):
                 model(x).sum().backward()
                 before.step()
                 after.step()
@@ -216,7 +217,9 @@ def stale(rank: int, world: int, _: None) -> dict[str, object]:
 
 def test_an_optimizer_built_before_wrapping_warns_once() -> None:
     for out in run_world(2, stale, None, timeout=120):
-        (message,) = out["warnings False"]  # type: ignore[misc]  # a list of str
+        messages = out["warnings False"]
+        assert isinstance(messages, list) and len(messages) == 1
+        message = messages[0]
         assert "SGD holds 8 parameter(s)" in message and "embed.weight" in message
         assert "SGD(model.parameters(), ...)" in message
         assert out["warnings True"] == []
