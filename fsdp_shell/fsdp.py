@@ -25,8 +25,9 @@ from fsdp_core import BackwardPrefetch, DivisionPolicy, HybridAllReduce, Shardin
 from fsdp_shell import comm_hooks, hooks
 from fsdp_shell.options import check_mixed_precision, flag, parse_options
 from fsdp_shell.runtime.log import CollectiveRecord
+from fsdp_shell.state import distributed as distributed_state_dict
 from fsdp_shell.state.optim_state import optim_state_dict as optim_state_dict_of
-from fsdp_shell.state.optim_state import optim_state_dict_to_load
+from fsdp_shell.state.optim_state import optim_state_dict_to_load, param_group_names
 from fsdp_shell.state.state_dict import (
     StateDictSettings,
     StateDictType,
@@ -166,6 +167,7 @@ class FullyShardedDataParallel(nn.Module):
             setattr(site.parent, site.attr, FullyShardedDataParallel._unit(site.module, tree, index))
         self._attach(module, tree, tree.root)
         hooks.install(tree)
+        distributed_state_dict.install(FullyShardedDataParallel)
 
     @classmethod
     def _unit(cls, module: nn.Module, tree: Tree, index: int) -> FullyShardedDataParallel:
@@ -536,6 +538,11 @@ class FullyShardedDataParallel(nn.Module):
         if load_directly:
             optim.load_state_dict(out)
         return out
+
+    @staticmethod
+    def _optim_group_names(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
+        """The original parameter names of each of ``optim``'s groups (no collective)."""
+        return param_group_names(_root_of(model)._tree.flat_handles, optim)
 
     # -- clipping -------------------------------------------------------------------------------
 

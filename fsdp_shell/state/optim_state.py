@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from fsdp_shell.state.state_dict import StateDictSettings, StateDictType, full_tensor
 from fsdp_shell.units.flat_param import FlatParamHandle
 
-__all__ = ["optim_state_dict", "optim_state_dict_to_load"]
+__all__ = ["optim_state_dict", "optim_state_dict_to_load", "param_group_names"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -102,7 +102,7 @@ def optim_state_dict(
 ) -> dict[str, Any]:
     """The optimizer's state by original parameter name, full or (``SHARDED_STATE_DICT``) as
     DTensors (``handles``: every unit's flat parameter that has one)."""
-    by_param = _by_param(handles, optim)
+    groups_names = param_group_names(handles, optim)
     state: Mapping[torch.Tensor, Mapping[str, object]] = optim.state
     per_unit: dict[int, list[_Slot]] = {}
     for s in _slots(handles):
@@ -144,13 +144,20 @@ def optim_state_dict(
         for spec in h.layout.params:
             for key, value in all_scalars.get(spec.name, {}).items():
                 out_state.setdefault(spec.name, {})[key] = value
-    groups = []
-    for group in optim.param_groups:
-        names = [n for p in group["params"] for n in by_param[id(p)].names]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+        for group, names in zip(optim.param_groups, groups_names)
+    ]
     if settings.kind is StateDictType.FULL_STATE_DICT and settings.rank0_only and rank != 0:
         return {}
     return {"state": out_state, "param_groups": groups}
+
+
+def param_group_names(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer) -> list[list[str]]:
+    """The original parameter names of each of ``optim``'s groups, as ``optim_state_dict``
+    gives them (no collective)."""
+    by_param = _by_param(handles, optim)
+    return [[n for p in group["params"] for n in by_param[id(p)].names] for group in optim.param_groups]
 
 
 def _present(value: torch.Tensor, settings: StateDictSettings, mesh: DeviceMesh, sharded: bool) -> object:
