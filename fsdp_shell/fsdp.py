@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp.api as fsdp_api
 from torch import nn
+from torch.distributed.fsdp._common_utils import TrainingState
 from torch.nn.modules.module import _IncompatibleKeys
 
-from fsdp_core import BackwardPrefetch, DivisionPolicy, HybridAllReduce, ShardingStrategy
+from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, HybridAllReduce, MixedPrecision, ShardingStrategy
 from fsdp_shell import comm_hooks, hooks
 from fsdp_shell.options import check_mixed_precision, flag, parse_options
 from fsdp_shell.runtime.log import CollectiveRecord
@@ -107,6 +108,10 @@ class FullyShardedDataParallel(nn.Module):
     - ``sync_module_states`` (keyword; FSDP1's): broadcast rank 0's parameters and buffers to
       every rank before sharding (over the shard group, then the replicate group), so a model
       loaded on rank 0 alone starts the same everywhere.
+    - ``limit_all_gathers`` (keyword; FSDP1's, default True): before issuing an all-gather the
+      host waits until the device has freed all but one of the unsharded buffers it freed
+      (``fsdp_shell.units.gather_limit``), so a host running ahead of an accelerator holds at
+      most two units' gathered parameters; never waits on the CPU, where the host computes.
 
     Bad configuration raises ``ValueError``/``TypeError`` here, naming the argument.
     """
@@ -133,6 +138,7 @@ class FullyShardedDataParallel(nn.Module):
         ranks_may_diverge: bool = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_module_states: bool = False,
+        limit_all_gathers: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -152,6 +158,7 @@ class FullyShardedDataParallel(nn.Module):
             ranks_may_diverge=ranks_may_diverge,
             param_init_fn=param_init_fn,
             sync_module_states=sync_module_states,
+            limit_all_gathers=limit_all_gathers,
         )
         check_mixed_precision(module, mixed_precision, options)
         tree, sites = make_tree(
@@ -253,7 +260,86 @@ class FullyShardedDataParallel(nn.Module):
         """FSDP1's indexing of a wrapped ``nn.Sequential`` or ``nn.ModuleList``."""
         return self.module[key]  # type: ignore[index]  # only Sequential-like modules are subscriptable, as in FSDP1
 
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module``'s, with FSDP1's names (``_fsdp_wrapped_module.`` segments), which inside
+        ``summon_full_params`` are dropped, as FSDP1 does."""
+        clean = self._tree.summoning > 0
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (name.replace(WRAPPED_MODULE + ".", "") if clean else name), p
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``nn.Module``'s, named as ``named_parameters``."""
+        clean = self._tree.summoning > 0
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield (name.replace(WRAPPED_MODULE + ".", "") if clean else name), b
+
     # -- configuration --------------------------------------------------------------------------
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        """FSDP1's attribute: the tree's mixed precision (fsdp_core's ``MixedPrecision``)."""
+        return self._tree.options.mixed_precision
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        """FSDP1's attribute: the tree's CPU offload (fsdp_core's ``CPUOffload``)."""
+        return self._tree.options.offload
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        """FSDP1's attribute."""
+        return self._tree.options.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        """FSDP1's attribute."""
+        return self._tree.options.forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        """FSDP1's attribute."""
+        return self._tree.options.limit_all_gathers
+
+    @property
+    def use_orig_params(self) -> bool:
+        """FSDP1's ``_use_orig_params``, public here."""
+        return self._tree.options.use_orig_params
+
+    @property
+    def compute_device(self) -> torch.device:
+        """FSDP1's attribute: where the unsharded parameters compute."""
+        return self._tree.device
+
+    @property
+    def rank(self) -> int:
+        """FSDP1's attribute: this rank in the shard group."""
+        return self._tree.groups.shard.rank()
+
+    @property
+    def world_size(self) -> int:
+        """FSDP1's attribute: the shard group's size."""
+        return self._tree.groups.shard_size
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """FSDP1's attribute: this unit's flat parameter (none when it owns no parameter, or with
+        ``use_orig_params`` its original parameters)."""
+        h = self._tree.handles[self._index]
+        if h is None:
+            return []
+        return list(h.orig_params) if h.use_orig_params else [h.flat_param]
+
+    @property
+    def training_state(self) -> TrainingState:
+        """FSDP1's attribute (torch's ``TrainingState``): ``SUMMON_FULL_PARAMS`` inside
+        ``summon_full_params``, ``FORWARD_BACKWARD`` from the root's forward to the end of its
+        backward, else ``IDLE``."""
+        tree = self._tree
+        if tree.summoning:
+            return TrainingState.SUMMON_FULL_PARAMS
+        if tree.iteration.unfinished or tree.iteration.events:
+            return TrainingState.FORWARD_BACKWARD
+        return TrainingState.IDLE
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -481,6 +567,8 @@ class FullyShardedDataParallel(nn.Module):
                         with_grads=with_grads,
                     )
                 )
+                tree.summoning += 1
+                stack.callback(_closed, tree)
             yield
 
     @staticmethod
@@ -551,6 +639,10 @@ class FullyShardedDataParallel(nn.Module):
         self._require_root("clip_grad_norm_")
         tree = self._tree
         return clip_grad_norm(tree.flat_handles, tree.groups.shard, tree.device, max_norm, norm_type)
+
+
+def _closed(tree: Tree) -> None:
+    tree.summoning -= 1
 
 
 def _root_of(model: nn.Module) -> FullyShardedDataParallel:

@@ -86,6 +86,7 @@ class Options:
     ranks_may_diverge: bool = False
     param_init_fn: Callable[[nn.Module], None] | None = None
     sync_module_states: bool = False
+    limit_all_gathers: bool = True
 
 
 def parse_options(
@@ -102,6 +103,7 @@ def parse_options(
     ranks_may_diverge: object = False,
     param_init_fn: object = None,
     sync_module_states: object = False,
+    limit_all_gathers: object = True,
 ) -> Options:
     """Every argument checked on its own and against the others; ``ValueError``/``TypeError``
     naming the argument."""
@@ -125,6 +127,7 @@ def parse_options(
         ranks_may_diverge=flag("ranks_may_diverge", ranks_may_diverge),
         param_init_fn=to_param_init_fn(param_init_fn),
         sync_module_states=flag("sync_module_states", sync_module_states),
+        limit_all_gathers=flag("limit_all_gathers", limit_all_gathers),
     )
 
 

@@ -125,6 +125,8 @@ class Tree:
     """Every post-backward plan of the tree, verified once when first built."""
     iteration: IterationState = field(default_factory=IterationState)
     first_forward_done: bool = False
+    summoning: int = 0
+    """How many ``summon_full_params`` blocks of this tree are open."""
     """Whether the root's first forward has run: the ranks have agreed, the configuration is fixed."""
     agreement_seconds: float = 0.0
     """How long the ranks' agreement took at the first forward."""

@@ -35,7 +35,7 @@ from fsdp_core import Group, ReduceOpSpec, Stream
 from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, to_reduce_op
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
-from fsdp_shell.runtime.protocol import Pending
+from fsdp_shell.runtime.protocol import Pending, Waitable
 
 __all__ = ["AcceleratorRuntime", "Device", "TorchDevice"]
 
@@ -136,6 +136,17 @@ class _EventWait(Generic[S, E]):
         return True
 
 
+class _HostWait(Generic[S, E]):
+    """An event the host waits for (``Runtime.free_marker``)."""
+
+    def __init__(self, device: Device[S, E], event: E) -> None:
+        self._device = device
+        self._event = event
+
+    def wait(self) -> None:
+        self._device.host_wait(self._event)
+
+
 class AcceleratorRuntime(Generic[S, E]):
     """The plan streams as streams of ``device``: ``COMPUTE`` is the current stream at
     construction (autograd's), every other plan stream a stream of its own."""
@@ -225,6 +236,9 @@ class AcceleratorRuntime(Generic[S, E]):
 
     def settle(self) -> None:
         pass
+
+    def free_marker(self) -> Waitable:
+        return _HostWait(self._device, self._device.record_event(self._device.current_stream()))
 
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         device = self._device

@@ -24,7 +24,7 @@ from fsdp_core import Group, ReduceKind, ReduceOpSpec, Stream
 from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, to_reduce_op
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
-from fsdp_shell.runtime.protocol import Pending
+from fsdp_shell.runtime.protocol import Pending, Waitable
 
 __all__ = ["ALL_TO_ALL_MAX_BYTES", "ASYNC_GATHER_MAX_BYTES", "CpuRuntime", "Lane", "gloo_reduce_scatter"]
 
@@ -33,6 +33,16 @@ ASYNC_GATHER_MAX_BYTES = 4 << 20
 larger ones land before ``all_gather`` returns. Gloo gathers through a temporary buffer the
 size of the output, and a large one in flight during the next unit's backward raises the peak
 above FSDP1's (synchronous on CPU) by that much (``benchmarks/bench_training.py``, "large")."""
+
+
+class _Reached:
+    """A marker the host has passed already: the CPU runs the compute on the host thread."""
+
+    def wait(self) -> None:
+        return None
+
+
+_REACHED = _Reached()
 
 
 class Lane:
@@ -225,6 +235,9 @@ class CpuRuntime:
 
     def settle(self) -> None:
         self.drain()
+
+    def free_marker(self) -> Waitable:
+        return _REACHED
 
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         self._log.add("all_gather", Group.SHARD, out.dtype, out.numel())

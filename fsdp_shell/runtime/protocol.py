@@ -116,6 +116,11 @@ class Runtime(Protocol):
         plans' waits order it for the device, and the host does not wait for the device (only
         for host copies, at the end of backward)."""
 
+    def free_marker(self) -> Waitable:
+        """A point after the compute stream's work enqueued so far: its ``wait`` blocks the host
+        until that work has run, so memory freed before the call is free on the device
+        (``limit_all_gathers``). Already reached where the host runs the compute itself."""
+
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         """Issue the all-gather of every shard-group rank's ``src`` into ``out`` (a unit's
         unsharded flat parameter); None when it has landed already."""

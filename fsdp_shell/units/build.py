@@ -21,6 +21,7 @@ from fsdp_core import CommHook, Division, FlatParamLayout, PlanRequest, Sharding
 from fsdp_shell.options import Options, SubtreePolicy, TargetPolicy, WrapPolicy
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.flat_param import FlatParamHandle, OrigParam
+from fsdp_shell.units.gather_limit import GatherLimiter
 
 __all__ = ["UnitSite", "build_handles", "find_units", "param_names"]
 
@@ -103,13 +104,17 @@ def build_handles(
     device: torch.device,
     is_wrapped: Callable[[nn.Module], bool],
 ) -> tuple[FlatParamHandle | None, ...]:
-    """Each site's flat parameter (None for a unit that owns no parameter), in the sites' order."""
+    """Each site's flat parameter (None for a unit that owns no parameter), in the sites' order,
+    sharing one all-gather rate limiter (``limit_all_gathers``)."""
+    limiter = GatherLimiter(runtime, enabled=options.limit_all_gathers)
     units = {id(s.module) for s in sites}
     owners: dict[int, str] = {}
     handles: list[FlatParamHandle | None] = []
     for site in sites:
         owned = _owned_params(site.module, names, owners, lambda m: id(m) in units or is_wrapped(m))
-        handles.append(_handle(owned, options, division, sharding, runtime, shard_group, device) if owned else None)
+        handles.append(
+            _handle(owned, options, division, sharding, runtime, shard_group, device, limiter) if owned else None
+        )
     return tuple(handles)
 
 
@@ -159,6 +164,7 @@ def _handle(
     runtime: Runtime,
     shard_group: dist.ProcessGroup,
     device: torch.device,
+    limiter: GatherLimiter,
 ) -> FlatParamHandle:
     params, tensors = [o for o, _ in owned], [t for _, t in owned]
     dtypes = {t.dtype for t in tensors}
@@ -187,5 +193,11 @@ def _handle(
         hybrid_all_reduce=options.hybrid_all_reduce,
     )
     return FlatParamHandle(
-        params, tensors, base_request=request, runtime=runtime, shard_group=shard_group, device=device
+        params,
+        tensors,
+        base_request=request,
+        runtime=runtime,
+        shard_group=shard_group,
+        device=device,
+        limiter=limiter,
     )

@@ -23,6 +23,7 @@ from torch import nn
 from fsdp_core import FlatParamLayout, InputRole, Plan, PlanRequest, ShardingSpec, ShardView
 from fsdp_shell.runtime.collectives import all_gather_flat
 from fsdp_shell.runtime.protocol import Pending, Runtime
+from fsdp_shell.units.gather_limit import GatherLimiter
 
 __all__ = ["CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad"]
 
@@ -194,6 +195,7 @@ class FlatParamHandle:
         runtime: Runtime,
         shard_group: dist.ProcessGroup,
         device: torch.device,
+        limiter: GatherLimiter | None = None,
     ) -> None:
         self.params = params
         self.request = base_request
@@ -211,6 +213,7 @@ class FlatParamHandle:
         self.padded_numel = self.sharding.padded_numel(self.layout)
         self.is_sharded = self.sharding.strategy.is_sharded
         self._runtime = runtime
+        self._limiter = GatherLimiter(runtime, enabled=False) if limiter is None else limiter
         self._pieces = _Pieces.of(self.layout)
 
         local = self.shard_of({p.fqn: t.detach() for p, t in zip(params, tensors)}, self.orig_dtype).clone()
@@ -298,6 +301,7 @@ class FlatParamHandle:
             self._state = _Gathered.IN_FLIGHT
             self._pending_gather = None
             return False
+        self._limiter.before_gather()
         _alloc_storage(self._gathered)
         with torch.no_grad():
             src = self.local.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
@@ -334,6 +338,7 @@ class FlatParamHandle:
         self.flat_param.data = self.local
         if self._gathers_in_place:
             _free_storage(self._gathered)
+            self._limiter.freed()
         self._state = _Gathered.SHARDED
 
     def use_unsharded_views(self) -> None:
