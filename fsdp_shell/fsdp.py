@@ -24,7 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, HybridAllReduce, MixedPrecision, ShardingStrategy
 from fsdp_shell import comm_hooks, hooks
-from fsdp_shell.options import check_mixed_precision, flag, parse_options
+from fsdp_shell.options import check_mixed_precision, flag, parse_options, to_ignored
 from fsdp_shell.runtime.log import CollectiveRecord
 from fsdp_shell.state import distributed as distributed_state_dict
 from fsdp_shell.state.optim_state import optim_state_dict as optim_state_dict_of
@@ -108,6 +108,11 @@ class FullyShardedDataParallel(nn.Module):
     - ``sync_module_states`` (keyword; FSDP1's): broadcast rank 0's parameters and buffers to
       every rank before sharding (over the shard group, then the replicate group), so a model
       loaded on rank 0 alone starts the same everywhere.
+    - ``ignored_modules`` / ``ignored_states`` (keyword; FSDP1's): modules (with their
+      descendants), or parameters, that FSDP leaves alone: not flattened, sharded, reduced,
+      materialized, moved, broadcast or cast; each rank keeps its own values and gradients, which
+      ``parameters()``, the state dicts, the optimizer state dicts and ``clip_grad_norm_``
+      include as they are.
     - ``limit_all_gathers`` (keyword; FSDP1's, default True): before issuing an all-gather the
       host waits until the device has freed all but one of the unsharded buffers it freed
       (``fsdp_shell.units.gather_limit``), so a host running ahead of an accelerator holds at
@@ -139,6 +144,8 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         sync_module_states: bool = False,
         limit_all_gathers: bool = True,
+        ignored_modules: object = None,
+        ignored_states: object = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -161,13 +168,15 @@ class FullyShardedDataParallel(nn.Module):
             limit_all_gathers=limit_all_gathers,
         )
         check_mixed_precision(module, mixed_precision, options)
+        is_wrapped: Callable[[nn.Module], bool] = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         tree, sites = make_tree(
             module,
             options,
             process_group=process_group,
             device_mesh=device_mesh,
             device_id=device_id,
-            is_wrapped=lambda m: isinstance(m, FullyShardedDataParallel),
+            is_wrapped=is_wrapped,
+            ignored=to_ignored(module, ignored_modules, ignored_states, is_wrapped),
         )
         for index, site in enumerate(sites[:-1]):
             assert site.parent is not None
@@ -606,7 +615,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("optim_state_dict, group: not supported; the optimizer's own state is read")
         tree = _root_of(model)._tree
         return optim_state_dict_of(
-            tree.flat_handles, optim, tree.settings.state_dict, tree.mesh, tree.groups.shard.rank()
+            tree.flat_handles, optim, tree.settings.state_dict, tree.mesh, tree.groups.shard.rank(), tree.ignored_params
         )
 
     @staticmethod
@@ -622,7 +631,8 @@ class FullyShardedDataParallel(nn.Module):
         ``load_directly``, loaded and returned). A collective."""
         if is_named_optimizer or group is not None:
             raise ValueError("is_named_optimizer, group: not supported")
-        out = optim_state_dict_to_load(_root_of(model)._tree.flat_handles, optim, optim_state_dict)
+        tree = _root_of(model)._tree
+        out = optim_state_dict_to_load(tree.flat_handles, optim, optim_state_dict, tree.ignored_params)
         if load_directly:
             optim.load_state_dict(out)
         return out
@@ -630,7 +640,8 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def _optim_group_names(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
         """The original parameter names of each of ``optim``'s groups (no collective)."""
-        return param_group_names(_root_of(model)._tree.flat_handles, optim)
+        tree = _root_of(model)._tree
+        return param_group_names(tree.flat_handles, optim, tree.ignored_params)
 
     # -- clipping -------------------------------------------------------------------------------
 
@@ -638,7 +649,8 @@ class FullyShardedDataParallel(nn.Module):
         """Clip all gradients by their total norm across all shards; returns that norm."""
         self._require_root("clip_grad_norm_")
         tree = self._tree
-        return clip_grad_norm(tree.flat_handles, tree.groups.shard, tree.device, max_norm, norm_type)
+        ignored = [p for _, p in tree.ignored_params]
+        return clip_grad_norm(tree.flat_handles, tree.groups.shard, tree.device, max_norm, norm_type, ignored)
 
 
 def _closed(tree: Tree) -> None:

@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from fsdp_core import (
@@ -25,6 +26,7 @@ from fsdp_core import (
 )
 
 __all__ = [
+    "Ignored",
     "Options",
     "SubtreePolicy",
     "TargetPolicy",
@@ -36,6 +38,7 @@ __all__ = [
     "to_cpu_offload",
     "to_division_policy",
     "to_hybrid_all_reduce",
+    "to_ignored",
     "to_mixed_precision",
     "to_param_init_fn",
     "to_sharding_strategy",
@@ -129,6 +132,66 @@ def parse_options(
         sync_module_states=flag("sync_module_states", sync_module_states),
         limit_all_gathers=flag("limit_all_gathers", limit_all_gathers),
     )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Ignored:
+    """FSDP1's ``ignored_modules`` / ``ignored_states``: what FSDP leaves alone. Ignored modules
+    (with their descendants) are never units, not materialized, moved, broadcast or cast; their
+    parameters, and ignored parameters, are not flattened, sharded or reduced: they stay as they
+    are on each rank, in ``parameters()``, the state dicts and the optimizer state dicts."""
+
+    modules: frozenset[int] = frozenset()
+    """``id`` of every ignored module and of its descendants."""
+    params: frozenset[int] = frozenset()
+    """``id`` of every ignored parameter (those of ignored modules included)."""
+
+    def skips(self, module: nn.Module) -> bool:
+        return id(module) in self.modules
+
+
+def to_ignored(
+    module: nn.Module, ignored_modules: object, ignored_states: object, is_wrapped: Callable[[nn.Module], bool]
+) -> Ignored:
+    """``ignored_modules`` (modules) or ``ignored_states`` (all parameters or all modules) of
+    ``module``'s subtree, checked as FSDP1 checks them; ``TypeError``/``ValueError`` naming the
+    argument."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("ignored_modules, ignored_states: pass one of them (ignored_modules is the older name)")
+    argument, given = (
+        ("ignored_states", ignored_states)
+        if ignored_states is not None
+        else (
+            "ignored_modules",
+            ignored_modules,
+        )
+    )
+    if given is None:
+        return Ignored()
+    if isinstance(given, (nn.Module, torch.Tensor)) or not hasattr(given, "__iter__"):
+        raise TypeError(f"{argument}: expected an iterable of nn.Module or nn.Parameter, got {given!r}")
+    items = list(given)
+    params = [x for x in items if isinstance(x, nn.Parameter)]
+    modules = [x for x in items if isinstance(x, nn.Module)]
+    if len(params) + len(modules) != len(items):
+        raise TypeError(f"{argument}: expected nn.Module or nn.Parameter items, got {items!r}")
+    if params and (modules or argument == "ignored_modules"):
+        raise ValueError(f"{argument}: ignored_states takes parameters or modules, not both; ignored_modules modules")
+    inside = {id(m) for m in module.modules()}
+    owned = {id(p) for p in module.parameters()}
+    for m in modules:
+        if id(m) not in inside:
+            raise ValueError(f"{argument}: {type(m).__name__} is not a submodule of the wrapped module")
+        if m is module:
+            raise ValueError(f"{argument}: the wrapped module itself; there would be nothing to shard")
+        if is_wrapped(m):
+            raise ValueError(f"{argument}: holds a FullyShardedDataParallel module; ignore the module it wraps")
+    for p in params:
+        if id(p) not in owned:
+            raise ValueError(f"{argument}: a parameter of shape {tuple(p.shape)} is not one of the wrapped module's")
+    ignored_modules_all = {id(sub) for m in modules for sub in m.modules()}
+    ignored_params = {id(p) for m in modules for p in m.parameters()} | {id(p) for p in params}
+    return Ignored(modules=frozenset(ignored_modules_all), params=frozenset(ignored_params))
 
 
 def to_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:

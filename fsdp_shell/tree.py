@@ -38,7 +38,7 @@ from fsdp_core import (
     ShardingSpec,
     StepFlags,
 )
-from fsdp_shell.options import Options
+from fsdp_shell.options import Ignored, Options
 from fsdp_shell.runtime.device import checked_device_id, default_device, make_runtime
 from fsdp_shell.runtime.groups import ProcessGroups, duplicate_group, group_timeout, resolve_groups
 from fsdp_shell.runtime.interpreter import CommHookFn, PlanRun
@@ -49,7 +49,7 @@ from fsdp_shell.safety.sequencer import Sequencer
 from fsdp_shell.state.state_dict import StateDictSettings, StateEntry, state_entries
 from fsdp_shell.units.build import UnitSite, build_handles, find_units, param_names
 from fsdp_shell.units.flat_param import FlatParamHandle
-from fsdp_shell.units.init import broadcast_states, cast_buffers, materialize
+from fsdp_shell.units.init import broadcast_states, cast_buffers, materialize, move_states
 from fsdp_shell.units.unshard import UnshardRunner
 
 __all__ = ["IterationState", "Settings", "Tree", "make_tree"]
@@ -121,6 +121,8 @@ class Tree:
     settings: Settings
     paths: tuple[str, ...] = ()
     """Every unit's module path in the unwrapped model by unit index ("" for the root)."""
+    ignored_params: tuple[tuple[str, nn.Parameter], ...] = ()
+    """The parameters FSDP leaves alone (``ignored_modules``/``ignored_states``) with their names."""
     plans: PlanCache = field(default_factory=lambda: PlanCache(verify=True))
     """Every post-backward plan of the tree, verified once when first built."""
     iteration: IterationState = field(default_factory=IterationState)
@@ -191,24 +193,32 @@ def make_tree(
     device_mesh: object,
     device_id: object,
     is_wrapped: Callable[[nn.Module], bool],
+    ignored: Ignored | None = None,
 ) -> tuple[Tree, list[UnitSite]]:
     """The tree for ``module`` and where its units are (the root last). Flattens every unit's
-    parameters; submodules already wrapped (``is_wrapped``) are left alone."""
+    parameters; submodules already wrapped (``is_wrapped``) and what is ``ignored`` are left alone."""
     device = checked_device_id(device_id)
     groups = resolve_groups(options.strategy, process_group, device_mesh, "cpu" if device is None else device.type)
     if device is None:
         device = default_device(groups)
     if options.hybrid_all_reduce is HybridAllReduce.SYNC and device.type == "cpu":
         groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
-    materialize(module, options.param_init_fn, device, is_wrapped)
+    ignored = Ignored() if ignored is None else ignored
+    outside = is_wrapped
+    if ignored.modules:
+        outside = lambda m: is_wrapped(m) or ignored.skips(m)  # noqa: E731
+    materialize(module, options.param_init_fn, device, outside)
     names = param_names(module)
-    entries = state_entries(module, names)
-    module.to(device)
+    entries = state_entries(module, names, ignored.params)
+    move_states(module, device, outside)
     if options.sync_module_states:
         broadcast_states(
-            module, (groups.shard,) if groups.replicate is None else (groups.shard, groups.replicate), is_wrapped
+            module,
+            (groups.shard,) if groups.replicate is None else (groups.shard, groups.replicate),
+            outside,
+            ignored.params,
         )
-    cast_buffers(module, options.mixed_precision.buffer_dtype, is_wrapped)
+    cast_buffers(module, options.mixed_precision.buffer_dtype, outside)
     log = CollectiveLog()
     runtime = make_runtime(device, groups, log)
     division = Division(policy=options.division_policy, backend=groups.caps)
@@ -218,7 +228,7 @@ def make_tree(
         replicate_size=groups.replicate_size,
         rank=groups.shard.rank(),
     )
-    sites = find_units(module, options.wrap, is_wrapped)
+    sites = find_units(module, options.wrap, outside, ignored.params)
     originals = list(module.named_parameters())
     path_of = {id(m): name for name, m in module.named_modules()}
     handles = build_handles(
@@ -230,7 +240,8 @@ def make_tree(
         runtime=runtime,
         shard_group=groups.shard,
         device=device,
-        is_wrapped=is_wrapped,
+        is_wrapped=outside,
+        ignored=ignored.params,
     )
     if not options.use_orig_params:
         flattened = {p.fqn for h in handles if h is not None for p in h.params}
@@ -255,5 +266,6 @@ def make_tree(
         state_entries=entries,
         settings=Settings(division=division),
         paths=tuple(path_of[id(site.module)] for site in sites),
+        ignored_params=tuple((name, p) for name, p in originals if id(p) in ignored.params),
     )
     return tree, sites

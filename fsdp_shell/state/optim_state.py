@@ -55,11 +55,18 @@ def _slots(handles: Sequence[FlatParamHandle]) -> list[_Slot]:
     return out
 
 
-def _by_param(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer) -> dict[int, _Slot]:
+Ignored = Sequence[tuple[str, torch.Tensor]]
+"""The parameters FSDP leaves alone, with their names: their optimizer state is kept as it is."""
+
+
+def _by_param(
+    handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer, ignored: Ignored = ()
+) -> dict[int, _Slot]:
     slots = {id(s.param): s for s in _slots(handles)}
+    left_alone = {id(p) for _, p in ignored}
     for group in optim.param_groups:
         for p in group["params"]:
-            if id(p) not in slots:
+            if id(p) not in slots and id(p) not in left_alone:
                 raise ValueError("optim: steps a parameter that is not one of this FSDP model's parameters()")
     return slots
 
@@ -99,10 +106,12 @@ def optim_state_dict(
     settings: StateDictSettings,
     mesh: DeviceMesh,
     rank: int,
+    ignored: Ignored = (),
 ) -> dict[str, Any]:
     """The optimizer's state by original parameter name, full or (``SHARDED_STATE_DICT``) as
-    DTensors (``handles``: every unit's flat parameter that has one)."""
-    groups_names = param_group_names(handles, optim)
+    DTensors (``handles``: every unit's flat parameter that has one); the ``ignored``
+    parameters' state as it is on this rank."""
+    groups_names = param_group_names(handles, optim, ignored)
     state: Mapping[torch.Tensor, Mapping[str, object]] = optim.state
     per_unit: dict[int, list[_Slot]] = {}
     for s in _slots(handles):
@@ -144,6 +153,12 @@ def optim_state_dict(
         for spec in h.layout.params:
             for key, value in all_scalars.get(spec.name, {}).items():
                 out_state.setdefault(spec.name, {})[key] = value
+    for name, p in ignored:
+        for key, value in state.get(p, {}).items():
+            kept = value.detach().clone() if isinstance(value, torch.Tensor) else value
+            if isinstance(kept, torch.Tensor) and settings.offload_to_cpu:
+                kept = kept.cpu()
+            out_state.setdefault(name, {})[key] = kept
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": names}
         for group, names in zip(optim.param_groups, groups_names)
@@ -153,11 +168,17 @@ def optim_state_dict(
     return {"state": out_state, "param_groups": groups}
 
 
-def param_group_names(handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer) -> list[list[str]]:
+def param_group_names(
+    handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer, ignored: Ignored = ()
+) -> list[list[str]]:
     """The original parameter names of each of ``optim``'s groups, as ``optim_state_dict``
     gives them (no collective)."""
-    by_param = _by_param(handles, optim)
-    return [[n for p in group["params"] for n in by_param[id(p)].names] for group in optim.param_groups]
+    by_param = _by_param(handles, optim, ignored)
+    own = {id(p): name for name, p in ignored}
+    return [
+        [n for p in group["params"] for n in (by_param[id(p)].names if id(p) in by_param else [own[id(p)]])]
+        for group in optim.param_groups
+    ]
 
 
 def _present(value: torch.Tensor, settings: StateDictSettings, mesh: DeviceMesh, sharded: bool) -> object:
@@ -168,15 +189,20 @@ def _present(value: torch.Tensor, settings: StateDictSettings, mesh: DeviceMesh,
 
 
 def optim_state_dict_to_load(
-    handles: Sequence[FlatParamHandle], optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any]
+    handles: Sequence[FlatParamHandle],
+    optim: torch.optim.Optimizer,
+    optim_state_dict: Mapping[str, Any],
+    ignored: Ignored = (),
 ) -> dict[str, Any]:
     """``optim_state_dict`` (full tensors or DTensors by original name) as the state dict
-    ``optim.load_state_dict`` takes: this rank's shards, numbered as ``optim.state_dict()``."""
+    ``optim.load_state_dict`` takes: this rank's shards, numbered as ``optim.state_dict()``;
+    the ``ignored`` parameters' state as saved."""
     if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(optim_state_dict):
         raise TypeError(
             "optim_state_dict: expected a mapping with 'state' and 'param_groups', as FSDP.optim_state_dict returns"
         )
-    by_param = _by_param(handles, optim)
+    by_param = _by_param(handles, optim, ignored)
+    own = {id(p): name for name, p in ignored}
     saved: Mapping[str, Mapping[str, object]] = optim_state_dict["state"]
     saved_groups = optim_state_dict["param_groups"]
     if len(saved_groups) != len(optim.param_groups):
@@ -189,7 +215,13 @@ def optim_state_dict_to_load(
     gathered: dict[tuple[str, str], torch.Tensor] = {}
     for group in optim.param_groups:
         for p in group["params"]:
-            out_state[number] = _load_slot(by_param[id(p)], saved, gathered)
+            if id(p) in own:
+                out_state[number] = {
+                    k: full_tensor(v).clone().to(p.device) if isinstance(v, torch.Tensor) else v
+                    for k, v in saved.get(own[id(p)], {}).items()
+                }
+            else:
+                out_state[number] = _load_slot(by_param[id(p)], saved, gathered)
             if not out_state[number]:
                 del out_state[number]
             number += 1

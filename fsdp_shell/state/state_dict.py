@@ -107,6 +107,8 @@ def _flag(config: object, name: str) -> bool:
 
 class EntryKind(enum.Enum):
     PARAM = "param"
+    IGNORED = "ignored"
+    """A parameter FSDP leaves alone (``ignored_modules``/``ignored_states``): its own value."""
     BUFFER = "buffer"
     EXTRA = "extra_state"
 
@@ -126,14 +128,16 @@ class StateEntry:
     ``MixedPrecision.buffer_dtype`` keeps it in."""
 
 
-def state_entries(module: nn.Module, param_names: Mapping[int, str]) -> tuple[StateEntry, ...]:
+def state_entries(
+    module: nn.Module, param_names: Mapping[int, str], ignored: frozenset[int] = frozenset()
+) -> tuple[StateEntry, ...]:
     """The keys ``module.state_dict()`` gives, in its order, read before the module is wrapped.
 
     Where a value lives comes from walking the modules as ``state_dict`` does; the keys come
     from ``module.state_dict(keep_vars=True)`` itself, so hooks that rename keys (such as
     ``checkpoint_wrapper``'s, which drops ``_checkpoint_wrapped_module.``) are kept. Hooks that
     add, drop or replace entries are refused."""
-    walked = list(_walk(module, "", param_names))
+    walked = list(_walk(module, "", param_names, ignored))
     final = module.state_dict(keep_vars=True)
     same = len(final) == len(walked) and all(
         e.kind is EntryKind.EXTRA or value is _value(e) for e, value in zip(walked, final.values())
@@ -147,13 +151,14 @@ def state_entries(module: nn.Module, param_names: Mapping[int, str]) -> tuple[St
 
 
 def _value(e: StateEntry) -> object:
-    return e.module._parameters[e.attr] if e.kind is EntryKind.PARAM else e.module._buffers[e.attr]
+    return e.module._buffers[e.attr] if e.kind is EntryKind.BUFFER else e.module._parameters[e.attr]
 
 
-def _walk(module: nn.Module, prefix: str, names: Mapping[int, str]) -> Iterator[StateEntry]:
+def _walk(module: nn.Module, prefix: str, names: Mapping[int, str], ignored: frozenset[int]) -> Iterator[StateEntry]:
     for attr, p in module._parameters.items():
         if p is not None:
-            yield StateEntry(prefix + attr, EntryKind.PARAM, module, attr, names[id(p)])
+            kind = EntryKind.IGNORED if id(p) in ignored else EntryKind.PARAM
+            yield StateEntry(prefix + attr, kind, module, attr, names[id(p)])
     for attr, b in module._buffers.items():
         if b is not None and attr not in module._non_persistent_buffers_set:
             yield StateEntry(prefix + attr, EntryKind.BUFFER, module, attr, dtype=b.dtype)
@@ -161,7 +166,7 @@ def _walk(module: nn.Module, prefix: str, names: Mapping[int, str]) -> Iterator[
         yield StateEntry(prefix + "_extra_state", EntryKind.EXTRA, module, "")
     for name, child in module._modules.items():
         if child is not None:
-            yield from _walk(child, f"{prefix}{name}.", names)
+            yield from _walk(child, f"{prefix}{name}.", names, ignored)
 
 
 def _buffer(entry: StateEntry) -> torch.Tensor:
@@ -171,7 +176,17 @@ def _buffer(entry: StateEntry) -> torch.Tensor:
     return buf
 
 
+def _ignored(entry: StateEntry) -> torch.Tensor:
+    p = entry.module._parameters[entry.attr]
+    if p is None:
+        raise RuntimeError(f"parameter {entry.key} was set to None after wrapping")
+    return p
+
+
 def _other(entry: StateEntry, offload: bool) -> object:
+    if entry.kind is EntryKind.IGNORED:
+        value = _ignored(entry).detach().clone()
+        return value.cpu() if offload else value
     if entry.kind is EntryKind.BUFFER:
         buf = _buffer(entry).detach().clone()
         if entry.dtype is not None and buf.dtype != entry.dtype:
@@ -245,11 +260,11 @@ def load_state_dict(
         value = state_dict[e.key]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{e.key!r}]: expected a tensor, got {type(value).__name__}")
-        shape, dtype = (
-            (shapes[e.param], dtypes[e.param])
-            if e.kind is EntryKind.PARAM
-            else (tuple(_buffer(e).shape), _buffer(e).dtype)
-        )
+        if e.kind is EntryKind.PARAM:
+            shape, dtype = shapes[e.param], dtypes[e.param]
+        else:
+            own = _ignored(e) if e.kind is EntryKind.IGNORED else _buffer(e)
+            shape, dtype = tuple(own.shape), own.dtype
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"state_dict[{e.key!r}]: shape {tuple(value.shape)}, expected {tuple(shape)}")
         if value.dtype.is_floating_point != dtype.is_floating_point or value.dtype.is_complex != dtype.is_complex:
@@ -274,6 +289,8 @@ def load_state_dict(
                 continue
             if e.kind is EntryKind.BUFFER:
                 _buffer(e).copy_(full_tensor(state_dict[e.key]))
+            elif e.kind is EntryKind.IGNORED:
+                _ignored(e).copy_(full_tensor(state_dict[e.key]))
             elif e.kind is EntryKind.EXTRA:
                 e.module.set_extra_state(state_dict[e.key])
     return _IncompatibleKeys(missing, unexpected)

@@ -36,13 +36,19 @@ class UnitSite:
     attr: str
 
 
-def find_units(module: nn.Module, policy: WrapPolicy | None, is_wrapped: Callable[[nn.Module], bool]) -> list[UnitSite]:
+def find_units(
+    module: nn.Module,
+    policy: WrapPolicy | None,
+    is_wrapped: Callable[[nn.Module], bool],
+    ignored: frozenset[int] = frozenset(),
+) -> list[UnitSite]:
     """The units of ``module`` bottom-up, the root last, chosen as FSDP1's ``_recursive_wrap``
     does: the policy is asked, from the root down, whether to look into a module's children
     (``recurse=True``) and, after them, whether the module becomes a unit given the parameter
     elements of its subtree that no unit below holds. A module with no parameters in its
-    subtree never becomes a unit. Submodules already wrapped (``is_wrapped``: an FSDP tree of their own) are left alone
-    with their descendants, and their parameters are not counted."""
+    subtree never becomes a unit. Submodules already wrapped (``is_wrapped``: an FSDP tree of their
+    own, or ignored) are left alone with their descendants, and their parameters are not counted,
+    nor the ``ignored`` parameters (by ``id``)."""
     found: list[UnitSite] = []
     decide: SubtreePolicy | None
     if isinstance(policy, TargetPolicy):
@@ -53,7 +59,8 @@ def find_units(module: nn.Module, policy: WrapPolicy | None, is_wrapped: Callabl
 
     def unwrapped(m: nn.Module, seen: dict[int, int]) -> dict[int, int]:
         for p in m.parameters(recurse=False):
-            seen.setdefault(id(p), p.numel())
+            if id(p) not in ignored:
+                seen.setdefault(id(p), p.numel())
         for child in m.children():
             if not is_wrapped(child):
                 unwrapped(child, seen)
@@ -69,7 +76,7 @@ def find_units(module: nn.Module, policy: WrapPolicy | None, is_wrapped: Callabl
             if not rule(child, True, numel):
                 continue
             inner = visit(child, rule)
-            if any(True for _ in child.parameters()) and rule(child, False, numel - inner):
+            if any(id(p) not in ignored for p in child.parameters()) and rule(child, False, numel - inner):
                 found.append(UnitSite(child, m, name))
                 held += numel
             else:
@@ -103,6 +110,7 @@ def build_handles(
     shard_group: dist.ProcessGroup,
     device: torch.device,
     is_wrapped: Callable[[nn.Module], bool],
+    ignored: frozenset[int] = frozenset(),
 ) -> tuple[FlatParamHandle | None, ...]:
     """Each site's flat parameter (None for a unit that owns no parameter), in the sites' order,
     sharing one all-gather rate limiter (``limit_all_gathers``)."""
@@ -111,7 +119,7 @@ def build_handles(
     owners: dict[int, str] = {}
     handles: list[FlatParamHandle | None] = []
     for site in sites:
-        owned = _owned_params(site.module, names, owners, lambda m: id(m) in units or is_wrapped(m))
+        owned = _owned_params(site.module, names, owners, lambda m: id(m) in units or is_wrapped(m), ignored)
         handles.append(
             _handle(owned, options, division, sharding, runtime, shard_group, device, limiter) if owned else None
         )
@@ -119,7 +127,11 @@ def build_handles(
 
 
 def _owned_params(
-    module: nn.Module, names: Mapping[int, str], owners: dict[int, str], is_unit: Callable[[nn.Module], bool]
+    module: nn.Module,
+    names: Mapping[int, str],
+    owners: dict[int, str],
+    is_unit: Callable[[nn.Module], bool],
+    ignored: frozenset[int],
 ) -> list[tuple[OrigParam, nn.Parameter]]:
     """The parameters ``module`` owns outside nested units, with their unwrapped names, each
     once (a tied parameter with its further registrations as aliases); ``owners`` records which
@@ -129,7 +141,7 @@ def _owned_params(
 
     def visit(m: nn.Module) -> None:
         for attr, p in m._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             owner = owners.get(id(p))
             if owner is not None:

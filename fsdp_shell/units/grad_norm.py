@@ -19,11 +19,13 @@ def clip_grad_norm(
     device: torch.device,
     max_norm: float,
     norm_type: float | str = 2.0,
+    unsharded: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale every gradient the optimizer steps on so their total ``norm_type``-norm across all
     ranks is at most ``max_norm``; returns that total norm (before clipping). ``max_norm=inf``
     clips nothing (the usual way to log the norm). Sharded units' norms are combined over the
-    shard group, replicated ones counted once. ``ValueError`` / ``TypeError`` naming the
+    shard group, replicated ones and the ``unsharded`` parameters' (those FSDP leaves alone)
+    counted once, as FSDP1 does. ``ValueError`` / ``TypeError`` naming the
     argument for a bad ``max_norm`` or ``norm_type``."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) or max_norm < 0:
         raise ValueError(f"max_norm: expected a number >= 0 (inf: clip nothing), got {max_norm!r}")
@@ -48,6 +50,15 @@ def clip_grad_norm(
             target.copy_(torch.maximum(target, local))
         elif h.is_sharded:
             sharded += local**p
+        else:
+            replicated += local**p
+    own = [q.grad for q in unsharded if q.grad is not None]
+    if own:
+        grads.extend(own)
+        norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), p) for g in own])
+        local = torch.linalg.vector_norm(norms, p).to(device)
+        if p == float("inf"):
+            replicated.copy_(torch.maximum(replicated, local))
         else:
             replicated += local**p
     if p == float("inf"):

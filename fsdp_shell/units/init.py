@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["broadcast_states", "cast_buffers", "materialize"]
+__all__ = ["broadcast_states", "cast_buffers", "materialize", "move_states"]
 
 
 def _modules(root: nn.Module, is_wrapped: Callable[[nn.Module], bool]) -> Iterator[nn.Module]:
@@ -71,12 +71,23 @@ def materialize(
         raise ValueError(f"param_init_fn: left these modules on the meta device: {', '.join(left)}")
 
 
+def move_states(root: nn.Module, device: torch.device, is_wrapped: Callable[[nn.Module], bool]) -> None:
+    """Every parameter and buffer of ``root`` outside already-wrapped (and ignored) modules on
+    ``device``, as ``root.to(device)`` would put them."""
+    for m in _modules(root, is_wrapped):
+        m._apply(lambda t: t.to(device), recurse=False)  # type: ignore[no-untyped-call]  # nn.Module._apply is unannotated
+
+
 def broadcast_states(
-    root: nn.Module, groups: tuple[dist.ProcessGroup, ...], is_wrapped: Callable[[nn.Module], bool]
+    root: nn.Module,
+    groups: tuple[dist.ProcessGroup, ...],
+    is_wrapped: Callable[[nn.Module], bool],
+    ignored: frozenset[int] = frozenset(),
 ) -> None:
-    """Every parameter and buffer of ``root`` (outside already-wrapped trees) becomes rank 0's of
-    each group in turn: the shard group, then for hybrid strategies the replicate group."""
-    seen: set[int] = set()
+    """Every parameter and buffer of ``root`` (outside already-wrapped or ignored modules, and
+    but the ``ignored`` parameters) becomes rank 0's of each group in turn: the shard group, then
+    for hybrid strategies the replicate group."""
+    seen: set[int] = set(ignored)
     states = []
     for m in _modules(root, is_wrapped):
         for t in _own_states(m):
