@@ -82,6 +82,15 @@ def names(rank: int, world: int, _: None) -> dict[str, object]:
         )
         out[f"ours {use_orig_params}"] = _names(ours)
         out[f"theirs {use_orig_params}"] = _names(theirs)
+        with FSDP.summon_full_params(ours), TorchFSDP.summon_full_params(theirs):
+            out[f"summoned {use_orig_params}"] = (
+                [n for n, _ in ours.named_parameters()],
+                [n for n, _ in theirs.named_parameters()],
+                [n for n, _ in ours.named_buffers()],
+                [n for n, _ in theirs.named_buffers()],
+            )
+            out[f"summoned state {use_orig_params}"] = (ours.training_state.name, theirs.training_state.name)
+        out[f"idle state {use_orig_params}"] = (ours.training_state.name, theirs.training_state.name)
         out[f"has_flat_param {use_orig_params}"] = [
             (hasattr(m, "_flat_param"), "_flat_param" in m.module._parameters) for m in (ours, ours.head)
         ]
@@ -101,6 +110,11 @@ def test_names_are_fsdp1s() -> None:
     for out in run_world(2, names, None, timeout=120):
         for use_orig_params in (False, True):
             assert out[f"ours {use_orig_params}"] == out[f"theirs {use_orig_params}"]
+            summoned = out[f"summoned {use_orig_params}"]
+            assert isinstance(summoned, tuple)
+            assert summoned[0] == summoned[1] and summoned[2] == summoned[3]
+            assert out[f"summoned state {use_orig_params}"] == ("SUMMON_FULL_PARAMS", "SUMMON_FULL_PARAMS")
+            assert out[f"idle state {use_orig_params}"] == ("IDLE", "IDLE")
         assert "_fsdp_wrapped_module.head._fsdp_wrapped_module._flat_param" in out["theirs False"]["parameters"]  # type: ignore[index]  # a dict of lists
         assert out["has_flat_param False"] == [(True, True), (True, True)]
         assert out["has_flat_param True"] == [(False, False), (False, False)]

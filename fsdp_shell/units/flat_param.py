@@ -228,6 +228,8 @@ class FlatParamHandle:
         self._state = _Gathered.SHARDED
         self._pending_gather: Pending | None = None
 
+        self.registered: list[tuple[nn.Module, str]] = []
+        """Where ``flat_param`` is registered as a module parameter (``register_flat_param``)."""
         self.carried = CarriedGrads()
         """Gradient state carried between backwards (see ``CarriedGrads``)."""
         self._host_grad: torch.Tensor | None = None
@@ -452,6 +454,12 @@ class FlatParamHandle:
             start, end = self.layout.param_range(index)
             out[p.fqn] = flat[start:end].view(self.layout.params[index].shape).clone()
         return out
+
+    def register_flat_param(self, module: nn.Module, name: str) -> None:
+        """Make ``flat_param`` ``module``'s parameter ``name`` (``summon_full_params`` lifts it
+        out again while the original parameters are shown)."""
+        module.register_parameter(name, self.flat_param)
+        self.registered.append((module, name))
 
     def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each original parameter's view of ``flat`` (a whole flat parameter, as ``full_flat``

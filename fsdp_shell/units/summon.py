@@ -3,12 +3,14 @@
 On entry every unit of the block (one unit, or with ``recurse`` every unit in the module) gathers
 its whole flat parameter in the parameters' own dtype (a collective over the shard group) and
 each original parameter's attribute becomes a view of it, in its own shape: the original
-``Parameter`` object with ``use_orig_params`` (its ``.data`` swapped), a plain tensor otherwise,
-as in FSDP1. With ``with_grads`` (``use_orig_params`` only) the gradients are gathered the same
-way. On exit, with ``writeback``, each rank's shard is taken back from the full values (edits
-made inside persist); then everything is put back as it was. ``rank0_only``: only rank 0 sees
-full values (the others gather, then keep their shards); ``offload_to_cpu``: the full values
-live on the host.
+``Parameter`` object with ``use_orig_params`` (its ``.data`` swapped), otherwise a new
+``Parameter`` viewing it, registered in place of the flat parameter, as in FSDP1 (so
+``named_parameters()`` lists the original parameters inside). With ``with_grads``
+(``use_orig_params`` only) the gradients are gathered the same way. On exit, with
+``writeback``, each rank's shard is taken back from the full values (edits made inside
+persist); then everything is put back as it was. ``rank0_only``: only rank 0 sees full values
+(the others gather, then keep their shards); ``offload_to_cpu``: the full values live on the
+host.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Restore:
         self.handle = h
         self.flat = flat
         self.attrs: list[tuple[nn.Module, str, object]] = []
+        self.params: list[tuple[nn.Module, str, object]] = []
         self.datas: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
@@ -96,9 +99,15 @@ class Restore:
                     restore.grads.append((orig, orig.grad))
                     orig.grad = grad_views[index] if orig.requires_grad else None
                 continue
+            shown = nn.Parameter(views[index], requires_grad=h.flat_param.requires_grad)
             for module, attr in p.slots():
                 restore.attrs.append((module, attr, module.__dict__.get(attr, _MISSING)))
-                module.__dict__[attr] = views[index]
+                restore.params.append((module, attr, module._parameters.get(attr, _MISSING)))
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = shown
+        if not h.use_orig_params:
+            for module, name in h.registered:
+                restore.params.append((module, name, module._parameters.pop(name)))
         return restore
 
     def undo(self, *, writeback: bool) -> None:
@@ -108,6 +117,11 @@ class Restore:
             orig.data = data
         for orig, grad in self.grads:
             orig.grad = grad
+        for module, attr, before in reversed(self.params):
+            if before is _MISSING:
+                module._parameters.pop(attr, None)
+            else:
+                module._parameters[attr] = before  # type: ignore[assignment]  # what was there: a Parameter or None
         for module, attr, before in self.attrs:
             if before is _MISSING:
                 module.__dict__.pop(attr, None)
