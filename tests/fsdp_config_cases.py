@@ -117,7 +117,9 @@ def bad_configurations(rank: int, world: int, _: None) -> dict[str, str]:
         "hybrid-without-groups": _error(lambda: FSDP(lin(), sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
         "pair-for-flat": _error(lambda: FSDP(lin(), process_group=pair)),
         "pg-and-mesh": _error(lambda: FSDP(lin(), process_group=pair[0], device_mesh=mesh)),
-        "buffer-dtype": _error(lambda: FSDP(lin(), mixed_precision=TorchMixedPrecision(buffer_dtype=torch.bfloat16))),
+        "buffer-dtype": _error(lambda: FSDP(lin(), mixed_precision=TorchMixedPrecision(buffer_dtype=torch.int64))),
+        "limit-all-gathers-type": _error(lambda: FSDP(lin(), limit_all_gathers="yes")),  # type: ignore[arg-type]  # bad input on purpose
+        "ignored-not-iterable": _error(lambda: FSDP(lin(), ignored_modules=nn.Linear(2, 2))),
         "mp-string": _error(lambda: FSDP(lin(), mixed_precision="bf16")),
         "wrap-policy": _error(lambda: FSDP(lin(), auto_wrap_policy=42)),
         "device-id": _error(lambda: FSDP(lin(), device_id="gpu")),
