@@ -5,7 +5,8 @@ A model too large for one host is built under ``torch.device("meta")``. ``materi
 each of its modules real storage, as FSDP1 does: with ``param_init_fn``, by calling it on every
 module that is not already an FSDP tree of its own, breadth-first; without one, every module
 that holds a meta parameter or buffer of its own is moved with ``to_empty(recurse=False)`` and
-initialized with its ``reset_parameters()``. ``broadcast_states`` copies rank 0's parameters
+initialized with its ``reset_parameters()``; parameters registered under several names (tied
+weights) are tied again afterwards. ``broadcast_states`` copies rank 0's parameters
 and buffers to every rank of the groups, so a model loaded on rank 0 alone (the others built on
 meta) starts the same everywhere. ``cast_buffers`` keeps floating-point buffers in
 ``MixedPrecision.buffer_dtype``, as FSDP1 does from the first forward on.
@@ -51,6 +52,7 @@ def materialize(
     names = {id(m): name or "the root module" for name, m in root.named_modules()}
     if not any(t.is_meta for m in modules for t in _own_states(m)):
         return
+    tied = _shared_slots(modules)
     for m in modules:
         if param_init_fn is not None:
             param_init_fn(m)
@@ -66,6 +68,10 @@ def materialize(
         m.to_empty(device=device, recurse=False)
         with torch.no_grad():
             reset()
+    for (first, first_attr), *others in tied:
+        kept = first._parameters[first_attr]
+        for m, attr in others:
+            m._parameters[attr] = kept
     left = sorted(names[id(m)] for m in modules if any(t.is_meta for t in _own_states(m)))
     if left:
         raise ValueError(f"param_init_fn: left these modules on the meta device: {', '.join(left)}")
@@ -76,6 +82,18 @@ def move_states(root: nn.Module, device: torch.device, is_wrapped: Callable[[nn.
     ``device``, as ``root.to(device)`` would put them."""
     for m in _modules(root, is_wrapped):
         m._apply(lambda t: t.to(device), recurse=False)  # type: ignore[no-untyped-call]  # nn.Module._apply is unannotated
+
+
+def _shared_slots(modules: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter registered more than once (tied weights), as its ``(module, attribute)``
+    slots, first registration first: materializing module by module gives each slot a tensor of
+    its own, so ``materialize`` ties them again."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in modules:
+        for attr, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((m, attr))
+    return [s for s in slots.values() if len(s) > 1]
 
 
 def broadcast_states(
