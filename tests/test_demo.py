@@ -13,6 +13,7 @@ import pytest
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell.cli.launch import free_port, run_world
+from fsdp_shell.demo.cli import main as demo_main
 from fsdp_shell.demo.model import ModelConfig
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
 from fsdp_shell.state.checkpoint import read_meta
@@ -185,11 +186,23 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         (["--profile", str(ROOT / "README.md" / "traces")], "--profile"),
     ],
 )
-def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str) -> None:
-    done = demo(*argv, timeout=120)
+def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fsdp-demo``'s entry point, called in this process: what its process prints and returns
+    (one process below shows the console script's own exit status)."""
+    try:
+        status = demo_main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code  # type: ignore[assignment]  # argparse exits with an int
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fsdp-demo: error:"), err
+    assert fragment in err
+
+
+def test_a_bad_argument_ends_the_process_with_status_2_and_one_line() -> None:
+    done = demo("--steps", "0", timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("fsdp-demo: error:"), done.stderr
-    assert fragment in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("fsdp-demo: error: --steps"), done.stderr
 
 
 def test_runs_under_torchrun_with_the_launchers_ranks() -> None:
