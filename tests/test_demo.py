@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -246,3 +250,42 @@ def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:
     assert f"saved             {tmp_path} at step 2" in saved.stdout, saved.stdout
     resumed = demo("--steps", "3", "--resume", str(tmp_path), *QUICK, timeout=120)
     assert f"resumed from      {tmp_path} at step 2" in resumed.stdout, resumed.stdout
+
+
+@pytest.mark.parametrize("whole_group", [True, False], ids=["terminal", "parent-only"])
+def test_ctrl_c_ends_with_one_line_status_130_and_no_process_left(whole_group: bool) -> None:
+    """SIGINT as a terminal's Ctrl-C sends it (to the whole process group), and to the parent
+    alone (which then interrupts its ranks): one line, exit status 130, no traceback, no
+    leaked-semaphore warning, nothing of the session left running (an exited process that this
+    container's init has not reaped yet does not count)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_shell.demo.cli", "--steps", "100000", "--layers", "1", "--eval-every", "1000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    assert proc.stderr is not None
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)  # type: ignore[union-attr]  # checked above
+    reader.start()
+    deadline = time.monotonic() + 120
+    while "step/s" not in "".join(seen) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert "step/s" in "".join(seen), "".join(seen)[-2000:]
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGINT)
+    status = proc.wait(timeout=60)
+    reader.join(timeout=10)
+    err = "".join(seen)
+    assert status == 130, err[-2000:]
+    assert err.endswith("\nfsdp-demo: interrupted\n"), err[-2000:]
+    assert "Traceback" not in err and "leaked" not in err, err[-2000:]
+    proc.stderr.close()
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(proc.pid)], capture_output=True, text=True, check=False)
+    running = [line for line in ps.stdout.splitlines() if not line.lstrip().startswith("Z")]  # exited, unreaped
+    assert running == [], ps.stdout

@@ -19,9 +19,11 @@ import contextlib
 import gc
 import os
 import queue
+import signal
 import socket
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -96,8 +98,22 @@ def run_world(
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             results[rank] = payload
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        _stop(procs, interrupt=len(results) < world)
     return [results[r] for r in range(world)]
+
+
+def _stop(procs: Sequence[BaseProcess], *, interrupt: bool) -> None:
+    """Wait for every rank to exit. When the world did not finish (a failure, a timeout, Ctrl-C
+    in the parent alone) the ranks first get SIGINT, as a terminal's Ctrl-C would give them, so
+    they end their own way (progress bars closed, process groups destroyed); a rank still alive
+    after the wait (blocked in a collective) is killed."""
+    if interrupt:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGINT)
+    for p in procs:
+        p.join(timeout=5 if interrupt else 10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
