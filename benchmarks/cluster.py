@@ -402,6 +402,47 @@ def run_on_cluster(
             _destroy(names)
 
 
+@contextmanager
+def nodes(*, rate_mbit: float = 400.0) -> Iterator[tuple[str, str]]:
+    """The two nodes' namespaces, to run commands in (``start_in``), for a launcher of one's own
+    such as ``torchrun`` in each node: created on entry, deleted on every exit path as
+    ``run_on_cluster`` deletes its own. Raises ``RuntimeError`` with the reason when the cluster
+    cannot be built."""
+    link = Link.at(rate_mbit)
+    if (reason := _unavailable()) is not None:
+        raise RuntimeError(f"emulated cluster unavailable: {reason}")
+    names = _names()
+    with _signals_unwind() as hold:
+        try:
+            _sweep_stale()
+            try:
+                _create(names, link)
+            except _SetupFailed as e:
+                raise RuntimeError(f"emulated cluster unavailable: {e}") from None
+            yield names
+        finally:
+            hold()
+            _destroy(names)
+
+
+def start_in(ns: str, argv: list[str], **popen: Any) -> subprocess.Popen[str]:
+    """``argv`` as a process in namespace ``ns``, as a rank of ``run_on_cluster`` runs: gloo on
+    the node's veth (``GLOO_SOCKET_IFNAME``), this repository importable, a session of its own,
+    killed when this process dies; ``popen``: further ``subprocess.Popen`` arguments (text
+    mode)."""
+    env = dict(popen.pop("env", os.environ), GLOO_SOCKET_IFNAME=IFNAME)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(_REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *argv],
+        env=env,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl, before any thread of the child starts)
+        **popen,
+    )
+
+
 def _worker() -> None:
     """A rank's process: ``python -c ... <job.pkl> <rank>`` inside its node's namespace."""
     job, rank = Path(sys.argv[1]), int(sys.argv[2])

@@ -64,7 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc", type=int, default=2, help="local worker processes to spawn (default 2; ignored under torchrun)"
     )
-    p.add_argument("--shard-size", type=int, default=None, help="hybrid: ranks per shard group (default: all)")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="hybrid: ranks per shard group (default: a node's ranks, LOCAL_WORLD_SIZE under torchrun; all locally)",
+    )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in all (default 300)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch (default 8)")
     p.add_argument("--mixed-precision", default="none", choices=["none", "bf16", "fp16"])
@@ -127,7 +132,8 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
         raise BadArgument(f"--clip: expected a positive norm, got {a.clip}")
     if a.shard_size is not None and not strategy.is_hybrid:
         raise BadArgument(f"--shard-size: only hybrid strategies take a shard size, not {strategy.name}")
-    shard = a.shard_size or world
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if _under_torchrun() else 0
+    shard = a.shard_size or (local if local > 0 and world % local == 0 else world)
     if strategy.is_hybrid and (shard < 1 or world % shard):
         raise BadArgument(
             f"--shard-size: {shard} does not divide the {world} processes; accepted: a divisor of {world}"
@@ -140,7 +146,7 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, str | Non
         raise BadArgument("--check: compares a whole run from step 0 with the reference; drop --resume")
     cfg = DemoConfig(
         strategy=strategy,
-        shard_size=a.shard_size,
+        shard_size=shard if strategy.is_hybrid else None,
         steps=a.steps,
         batch_size=a.batch_size,
         mixed_precision=a.mixed_precision,
