@@ -24,6 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, HybridAllReduce, MixedPrecision, ShardingStrategy
 from fsdp_shell import comm_hooks, hooks
+from fsdp_shell.deprecated import DeprecatedOptimStateHelpers
 from fsdp_shell.options import check_mixed_precision, flag, parse_options, to_ignored
 from fsdp_shell.runtime.log import CollectiveRecord
 from fsdp_shell.state import distributed as distributed_state_dict
@@ -51,7 +52,7 @@ FLAT_PARAM = "_flat_param"
 """Where the wrapped module holds its unit's flat parameter without ``use_orig_params`` (FSDP1's name)."""
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(DeprecatedOptimStateHelpers, nn.Module):
     """A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
 
     Arguments, with FSDP1's meaning:
@@ -643,52 +644,6 @@ class FullyShardedDataParallel(nn.Module):
         tree = _root_of(model)._tree
         return param_group_names(tree.flat_handles, optim, tree.ignored_params)
 
-    # -- FSDP1's deprecated optimizer-state helpers, refused by name ------------------------------
-
-    @staticmethod
-    def full_optim_state_dict(*args: object, **kwargs: object) -> dict[str, Any]:
-        """Refused: use ``FSDP.optim_state_dict`` (FSDP1 deprecated this one for it)."""
-        raise _replaced_by(
-            "full_optim_state_dict", "FSDP.optim_state_dict(model, optim) (a full state dict by default)"
-        )
-
-    @staticmethod
-    def sharded_optim_state_dict(*args: object, **kwargs: object) -> dict[str, Any]:
-        """Refused: use ``FSDP.optim_state_dict`` inside ``SHARDED_STATE_DICT``."""
-        raise _replaced_by(
-            "sharded_optim_state_dict",
-            "FSDP.optim_state_dict(model, optim) inside FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)",
-        )
-
-    @staticmethod
-    def shard_full_optim_state_dict(*args: object, **kwargs: object) -> dict[str, Any]:
-        """Refused: use ``FSDP.optim_state_dict_to_load``."""
-        raise _replaced_by("shard_full_optim_state_dict", "FSDP.optim_state_dict_to_load(model, optim, osd)")
-
-    @staticmethod
-    def flatten_sharded_optim_state_dict(*args: object, **kwargs: object) -> dict[str, Any]:
-        """Refused: use ``FSDP.optim_state_dict_to_load``."""
-        raise _replaced_by("flatten_sharded_optim_state_dict", "FSDP.optim_state_dict_to_load(model, optim, osd)")
-
-    @staticmethod
-    def scatter_full_optim_state_dict(*args: object, **kwargs: object) -> dict[str, Any]:
-        """Refused: use ``FSDP.optim_state_dict_to_load`` on every rank (or
-        ``set_state_dict`` with ``broadcast_from_rank0``)."""
-        raise _replaced_by(
-            "scatter_full_optim_state_dict",
-            "FSDP.optim_state_dict_to_load(model, optim, osd) on every rank, or torch.distributed.checkpoint."
-            "state_dict.set_state_dict(..., options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))",
-        )
-
-    @staticmethod
-    def rekey_optim_state_dict(*args: object, **kwargs: object) -> dict[str, Any]:
-        """Refused: ``FSDP.optim_state_dict`` is keyed by parameter name already."""
-        raise _replaced_by(
-            "rekey_optim_state_dict",
-            "FSDP.optim_state_dict(model, optim), which is keyed by parameter name already, and "
-            "FSDP.optim_state_dict_to_load for the optimizer's own numbering",
-        )
-
     # -- clipping -------------------------------------------------------------------------------
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
@@ -697,10 +652,6 @@ class FullyShardedDataParallel(nn.Module):
         tree = self._tree
         ignored = [p for _, p in tree.ignored_params]
         return clip_grad_norm(tree.flat_handles, tree.groups.shard, tree.device, max_norm, norm_type, ignored)
-
-
-def _replaced_by(name: str, replacement: str) -> NotImplementedError:
-    return NotImplementedError(f"FSDP.{name}: FSDP1 deprecated it and it is not offered here; use {replacement}")
 
 
 def _closed(tree: Tree) -> None:
