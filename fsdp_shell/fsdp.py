@@ -639,6 +639,16 @@ class FullyShardedDataParallel(DeprecatedOptimStateHelpers, nn.Module):
         return out
 
     @staticmethod
+    def _frozen_state_keys(model: nn.Module) -> set[str]:
+        """The ``state_dict()`` keys of the parameters that do not require gradients (every name
+        of a tied one), ignored parameters included."""
+        root = _root_of(model)
+        tree = root._tree
+        frozen = {n for h in tree.flat_handles for n in h.frozen_names()}
+        frozen |= {n for n, p in tree.ignored_params if not p.requires_grad}
+        return {e.key for e in tree.state_entries if e.param in frozen}
+
+    @staticmethod
     def _optim_group_names(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
         """The original parameter names of each of ``optim``'s groups (no collective)."""
         tree = _root_of(model)._tree

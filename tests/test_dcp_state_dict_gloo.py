@@ -8,8 +8,10 @@ trains the same two steps: the losses equal the first run's bit for bit, and the
 losses equal a single-process reference's (the unwrapped model on the whole batch). Full and
 sharded state dicts, flat and ``use_orig_params``, on 2 ranks; hybrid sharding on 4 ranks,
 whose sharded checkpoint a 2-rank ``FULL_SHARD`` world then resumes (another world size and
-strategy). ``broadcast_from_rank0`` loads rank 0's full state dict everywhere; options this path
-cannot honour are refused by name; a model without our wrapper still gets torch's own path.
+strategy). ``broadcast_from_rank0`` loads rank 0's full state dict everywhere,
+``ignore_frozen_params`` drops frozen parameters (a frozen unit; a frozen parameter beside
+trainable ones with ``use_orig_params``); options this path cannot honour are refused by name; a
+model without our wrapper still gets torch's own path.
 """
 
 from __future__ import annotations
@@ -218,6 +220,13 @@ def broadcast(rank: int, world: int, _: None) -> dict[str, object]:
             out[name] = str(error)
     plain = Net()
     out["plain"] = sorted(get_model_state_dict(plain)) == sorted(plain.state_dict())
+    for use_orig_params in (False, True):
+        frozen, _frozen_opt = _wrap(0, Config("", full=True, use_orig_params=use_orig_params), world)
+        frozen.blocks[1].requires_grad_(False)
+        if use_orig_params:
+            frozen.head.weight.requires_grad_(False)
+        kept = get_model_state_dict(frozen, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+        out[f"frozen dropped {use_orig_params}"] = sorted(set(ref.state_dict()) - set(kept))
     return out
 
 
@@ -229,3 +238,6 @@ def test_broadcast_from_rank0_refusals_and_plain_models() -> None:
         assert "flatten_optimizer_state_dict" in str(out["flatten"])
         assert "submodules" in str(out["submodules"])
         assert out["plain"] is True
+        block = ["blocks.1.down.bias", "blocks.1.down.weight", "blocks.1.up.bias", "blocks.1.up.weight"]
+        assert out["frozen dropped False"] == block
+        assert out["frozen dropped True"] == sorted([*block, "head.weight"])

@@ -1,5 +1,5 @@
-"""FSDP1's names, mixed-precision forward settings and silent traps, against FSDP1 itself in the
-same gloo world of 2 (issue 17):
+"""FSDP1's names, mixed-precision forward settings, ignored modules and silent traps, against
+FSDP1 itself in the same gloo world, of 2 ranks and (all at once) of 4 (issue 17):
 
 - ``named_parameters()``, ``named_buffers()`` and ``named_modules()`` give FSDP1's names
   (``_fsdp_wrapped_module`` segments, ``_flat_param`` on the wrapped module), flat and
@@ -11,7 +11,9 @@ same gloo world of 2 (issue 17):
   policy is refused, naming the module;
 - ``state_dict()`` / ``load_state_dict()`` on a nested unit raise, naming the root's keys;
 - an optimizer built before wrapping (flat parameters) warns once at its first ``step()``, naming
-  the fix; one built after, or with ``use_orig_params``, does not.
+  the fix; one built after, or with ``use_orig_params``, does not;
+- ``ignored_modules`` / ``ignored_states`` (modules, or parameters): state dicts, gradient norms
+  and optimizer state equal FSDP1's, and FSDP1's refusals.
 """
 
 from __future__ import annotations
@@ -106,21 +108,25 @@ def names(rank: int, world: int, _: None) -> dict[str, object]:
     return out
 
 
+def check_names(out: dict[str, object]) -> None:
+    for use_orig_params in (False, True):
+        assert out[f"ours {use_orig_params}"] == out[f"theirs {use_orig_params}"]
+        summoned = out[f"summoned {use_orig_params}"]
+        assert isinstance(summoned, tuple)
+        assert summoned[0] == summoned[1] and summoned[2] == summoned[3]
+        assert out[f"summoned state {use_orig_params}"] == ("SUMMON_FULL_PARAMS", "SUMMON_FULL_PARAMS")
+        assert out[f"idle state {use_orig_params}"] == ("IDLE", "IDLE")
+    assert "_fsdp_wrapped_module.head._fsdp_wrapped_module._flat_param" in out["theirs False"]["parameters"]  # type: ignore[index]  # a dict of lists
+    assert out["has_flat_param False"] == [(True, True), (True, True)]
+    assert out["has_flat_param True"] == [(False, False), (False, False)]
+    for what in ("state_dict", "load_state_dict"):
+        message = str(out[f"nested {what}"])
+        assert "nested FSDP unit" in message and "'head.'" in message and f"call {what}()" in message
+
+
 def test_names_are_fsdp1s() -> None:
     for out in run_world(2, names, None, timeout=120):
-        for use_orig_params in (False, True):
-            assert out[f"ours {use_orig_params}"] == out[f"theirs {use_orig_params}"]
-            summoned = out[f"summoned {use_orig_params}"]
-            assert isinstance(summoned, tuple)
-            assert summoned[0] == summoned[1] and summoned[2] == summoned[3]
-            assert out[f"summoned state {use_orig_params}"] == ("SUMMON_FULL_PARAMS", "SUMMON_FULL_PARAMS")
-            assert out[f"idle state {use_orig_params}"] == ("IDLE", "IDLE")
-        assert "_fsdp_wrapped_module.head._fsdp_wrapped_module._flat_param" in out["theirs False"]["parameters"]  # type: ignore[index]  # a dict of lists
-        assert out["has_flat_param False"] == [(True, True), (True, True)]
-        assert out["has_flat_param True"] == [(False, False), (False, False)]
-        for what in ("state_dict", "load_state_dict"):
-            message = str(out[f"nested {what}"])
-            assert "nested FSDP unit" in message and "'head.'" in message and f"call {what}()" in message
+        check_names(out)
 
 
 def _mp(torch_config: bool) -> Any:
@@ -193,19 +199,23 @@ def precision(rank: int, world: int, _: None) -> dict[str, object]:
     return out
 
 
+def check_precision(out: dict[str, object]) -> None:
+    for use_orig_params in (False, True):
+        assert out[f"output {use_orig_params}"] == (torch.bfloat16, True)
+        assert out[f"grads {use_orig_params}"] is True
+        assert out[f"state_dict {use_orig_params}"] is True
+        assert out[f"buffer dtypes {use_orig_params}"] == ["torch.bfloat16", "torch.int64"]
+        assert out[f"saved buffer dtypes {use_orig_params}"] == (torch.float32, torch.int64)
+    assert "dtype" in str(out["uncast"])
+    message = str(out["batch_norm"])
+    assert message.startswith("mixed_precision: FSDP1 keeps 1 (BatchNorm1d)")
+    assert "_module_classes_to_ignore=()" in message
+    assert out["batch_norm_opt_out"] == torch.bfloat16
+
+
 def test_buffer_dtype_and_cast_forward_inputs_as_fsdp1() -> None:
     for out in run_world(2, precision, None, timeout=120):
-        for use_orig_params in (False, True):
-            assert out[f"output {use_orig_params}"] == (torch.bfloat16, True)
-            assert out[f"grads {use_orig_params}"] is True
-            assert out[f"state_dict {use_orig_params}"] is True
-            assert out[f"buffer dtypes {use_orig_params}"] == ["torch.bfloat16", "torch.int64"]
-            assert out[f"saved buffer dtypes {use_orig_params}"] == (torch.float32, torch.int64)
-        assert "dtype" in str(out["uncast"])
-        message = str(out["batch_norm"])
-        assert message.startswith("mixed_precision: FSDP1 keeps 1 (BatchNorm1d)")
-        assert "_module_classes_to_ignore=()" in message
-        assert out["batch_norm_opt_out"] == torch.bfloat16
+        check_precision(out)
 
 
 def stale(rank: int, world: int, _: None) -> dict[str, object]:
@@ -229,14 +239,18 @@ def stale(rank: int, world: int, _: None) -> dict[str, object]:
     return out
 
 
+def check_stale(out: dict[str, object]) -> None:
+    messages = out["warnings False"]
+    assert isinstance(messages, list) and len(messages) == 1
+    message = messages[0]
+    assert "SGD holds 8 parameter(s)" in message and "embed.weight" in message
+    assert "SGD(model.parameters(), ...)" in message
+    assert out["warnings True"] == []
+
+
 def test_an_optimizer_built_before_wrapping_warns_once() -> None:
     for out in run_world(2, stale, None, timeout=120):
-        messages = out["warnings False"]
-        assert isinstance(messages, list) and len(messages) == 1
-        message = messages[0]
-        assert "SGD holds 8 parameter(s)" in message and "embed.weight" in message
-        assert "SGD(model.parameters(), ...)" in message
-        assert out["warnings True"] == []
+        check_stale(out)
 
 
 @pytest.mark.parametrize("field", ["buffer_dtype", "cast_forward_inputs", "cast_root_forward_inputs"])
@@ -317,23 +331,44 @@ def ignoring(rank: int, world: int, _: None) -> dict[str, object]:
     return out
 
 
+def check_ignoring(out: dict[str, object]) -> None:
+    for use_orig_params in (False, True):
+        for which in ("modules", "states"):
+            got = out[f"{which} {use_orig_params}"]
+            assert isinstance(got, dict)
+            assert got["state"] is True, (which, use_orig_params)
+            assert float(got["norms"]) < 1e-5, (which, use_orig_params)
+            keys = got["optim_keys"]
+            assert keys[0] == keys[1] and len(keys[0]) == 8, (which, use_orig_params)
+            values = got["optim_values"]
+            assert isinstance(values, dict)
+            left_alone = ["head.lin.weight", "head.lin.bias"] if which == "modules" else ["head.lin.bias"]
+            # FSDP1's own optim_state_dict misreports exp_avg with use_orig_params on CPU (ours
+            # equals the unwrapped model's there), so with it only the ignored entries compare.
+            compared = left_alone if use_orig_params else list(values)
+            assert all(values[k] for k in compared), (which, use_orig_params, values)
+    assert "ignored_modules, ignored_states: pass one" in str(out["both"])
+    assert "the wrapped module itself" in str(out["root"])
+    assert "parameters or modules, not both" in str(out["mixed"])
+
+
 def test_ignored_modules_and_states_as_fsdp1() -> None:
     for out in run_world(2, ignoring, None, timeout=180):
-        for use_orig_params in (False, True):
-            for which in ("modules", "states"):
-                got = out[f"{which} {use_orig_params}"]
-                assert isinstance(got, dict)
-                assert got["state"] is True, (which, use_orig_params)
-                assert float(got["norms"]) < 1e-5, (which, use_orig_params)
-                keys = got["optim_keys"]
-                assert keys[0] == keys[1] and len(keys[0]) == 8, (which, use_orig_params)
-                values = got["optim_values"]
-                assert isinstance(values, dict)
-                left_alone = ["head.lin.weight", "head.lin.bias"] if which == "modules" else ["head.lin.bias"]
-                # FSDP1's own optim_state_dict misreports exp_avg with use_orig_params on CPU (ours
-                # equals the unwrapped model's there), so with it only the ignored entries compare.
-                compared = left_alone if use_orig_params else list(values)
-                assert all(values[k] for k in compared), (which, use_orig_params, values)
-        assert "ignored_modules, ignored_states: pass one" in str(out["both"])
-        assert "the wrapped module itself" in str(out["root"])
-        assert "parameters or modules, not both" in str(out["mixed"])
+        check_ignoring(out)
+
+
+def everything(rank: int, world: int, _: None) -> dict[str, dict[str, object]]:
+    return {
+        "names": names(rank, world, None),
+        "precision": precision(rank, world, None),
+        "stale": stale(rank, world, None),
+        "ignoring": ignoring(rank, world, None),
+    }
+
+
+def test_the_same_on_four_ranks() -> None:
+    for out in run_world(4, everything, None, timeout=300):
+        check_names(out["names"])
+        check_precision(out["precision"])
+        check_stale(out["stale"])
+        check_ignoring(out["ignoring"])

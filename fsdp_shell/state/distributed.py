@@ -51,6 +51,9 @@ class Wrapper(Protocol):
     ) -> dict[str, Any]: ...
 
     @staticmethod
+    def _frozen_state_keys(model: nn.Module) -> set[str]: ...
+
+    @staticmethod
     def _optim_group_names(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]: ...
 
     @staticmethod
@@ -127,13 +130,6 @@ def _root(wrapper: Wrapper, model: nn.Module) -> tuple[nn.Module, str]:
     return root, f"{name}." if name else ""
 
 
-def _frozen_keys(model: nn.Module) -> set[str]:
-    """The state-dict keys of ``model``'s frozen parameters, by FSDP1's names made clean."""
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    return {clean_tensor_name(n) for n, p in model.named_parameters() if not p.requires_grad}
-
-
 def _get_model(wrapper: Wrapper, model: nn.Module, info: Any) -> dict[str, Any]:
     _check(info)
     if not info.handle_model:
@@ -141,8 +137,9 @@ def _get_model(wrapper: Wrapper, model: nn.Module, info: Any) -> dict[str, Any]:
     with _state_dict_type(wrapper, model, info):
         state: dict[str, Any] = model.state_dict()
     if info.ignore_frozen_params:
-        for key in _frozen_keys(model):
-            state.pop(key, None)
+        root, prefix = _root(wrapper, model)
+        for key in wrapper._frozen_state_keys(root):
+            state.pop(prefix + key, None)
     return state
 
 

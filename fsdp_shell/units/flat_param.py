@@ -455,6 +455,12 @@ class FlatParamHandle:
             out[p.fqn] = flat[start:end].view(self.layout.params[index].shape).clone()
         return out
 
+    def frozen_names(self) -> list[str]:
+        """The original parameters of this unit that do not require gradients."""
+        if self.use_orig_params:
+            return [p.fqn for p, orig in zip(self.params, self.orig_params) if not orig.requires_grad]
+        return [] if self.flat_param.requires_grad else [p.fqn for p in self.params]
+
     def register_flat_param(self, module: nn.Module, name: str) -> None:
         """Make ``flat_param`` ``module``'s parameter ``name`` (``summon_full_params`` lifts it
         out again while the original parameters are shown)."""
