@@ -52,16 +52,18 @@ def test_default_run_trains_and_held_out_loss_falls() -> None:
     assert float(summary_value(done.stdout, "grad comm / step").split()[0]) > 0
 
 
-def test_the_all_reduce_hook_is_counted_as_an_all_reduce() -> None:
-    """``--comm-hook allreduce`` all-reduces the whole gradient: twice a reduce-scatter's bytes
-    on a ring, as ``fsdp-plan`` counts it."""
+def test_every_hooks_traffic_is_counted_as_the_plans_count_it() -> None:
+    """The summary's traffic for every ``--comm-hook``, as ``fsdp-plan`` counts each hook: the
+    all-reduce hook sends twice a reduce-scatter's bytes on a ring, the compress hooks half (a
+    16-bit wire), the reduce-scatter hook what no hook sends."""
     comm = {}
-    for hook in ("none", "allreduce", "reduce_scatter"):
+    for hook in ("none", "allreduce", "reduce_scatter", "fp16_compress", "bf16_compress"):
         done = demo("--steps", "2", "--comm-hook", hook, *QUICK)
         assert done.returncode == 0, done.stderr[-3000:]
         comm[hook] = float(summary_value(done.stdout, "grad comm / step").split()[0])
-    assert comm["reduce_scatter"] == comm["none"]
+    assert comm["reduce_scatter"] == comm["none"] > 0
     assert comm["allreduce"] == pytest.approx(2 * comm["none"], rel=0.01)
+    assert comm["fp16_compress"] == comm["bf16_compress"] == pytest.approx(comm["none"] / 2, rel=0.01)
 
 
 def test_progress_bar_shows_loss_time_tokens_and_communication() -> None:
