@@ -272,21 +272,27 @@ def test_ctrl_c_ends_with_one_line_status_130_and_no_process_left(whole_group: b
     seen: list[str] = []
     reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)  # type: ignore[union-attr]  # checked above
     reader.start()
-    deadline = time.monotonic() + 120
-    while "step/s" not in "".join(seen) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    assert "step/s" in "".join(seen), "".join(seen)[-2000:]
-    if whole_group:
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        os.kill(proc.pid, signal.SIGINT)
-    status = proc.wait(timeout=60)
-    reader.join(timeout=10)
+    try:
+        deadline = time.monotonic() + 120
+        while "step/s" not in "".join(seen) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert "step/s" in "".join(seen), "".join(seen)[-2000:]
+        if whole_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        status = proc.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=10)
+        proc.stderr.close()
     err = "".join(seen)
     assert status == 130, err[-2000:]
     assert err.endswith("\nfsdp-demo: interrupted\n"), err[-2000:]
     assert "Traceback" not in err and "leaked" not in err, err[-2000:]
-    proc.stderr.close()
     time.sleep(0.5)
     ps = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(proc.pid)], capture_output=True, text=True, check=False)
     running = [line for line in ps.stdout.splitlines() if not line.lstrip().startswith("Z")]  # exited, unreaped

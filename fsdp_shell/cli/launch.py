@@ -21,6 +21,7 @@ import os
 import queue
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
@@ -50,6 +51,9 @@ def _child(
         gc.collect()
         dist.barrier()
         out.put((rank, True, result))
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (the parent's) must not cut the exit short
+        out.put((rank, False, "KeyboardInterrupt"))
     except BaseException:  # noqa: BLE001  (every failure must reach the parent)
         out.put((rank, False, traceback.format_exc()))
     finally:
@@ -108,6 +112,9 @@ def _stop(procs: Sequence[BaseProcess], *, interrupt: bool) -> None:
     they end their own way (progress bars closed, process groups destroyed); a rank still alive
     after the wait (blocked in a collective) is killed."""
     if interrupt:
+        deadline = time.monotonic() + 2.0  # ranks a terminal's Ctrl-C reached too end by themselves
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive() and p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
