@@ -1,4 +1,4 @@
-"""FSDP1 habits of training scripts, on a gloo world of 2 (issue 17's list, as it lands).
+"""FSDP1 habits of training scripts, on gloo worlds of 2 and 4 (issue 17's list).
 
 - ``clip_grad_norm_(float("inf"))``, the usual way to log the gradient norm: returns the total
   norm (the reference's) and changes no gradient;
@@ -54,14 +54,20 @@ class Net(nn.Module):
         return out
 
 
+def _mine(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's equal share of the batch ``x`` (its rows divide by the world: 2 or 4)."""
+    rows = x.shape[0] // world
+    return x[rows * rank : rows * (rank + 1)]
+
+
 def habits(rank: int, world: int, _: None) -> dict[str, object]:
     out: dict[str, object] = {}
     torch.manual_seed(0)
     net = Net()
     ref = copy.deepcopy(net)
     model = FSDP(net, auto_wrap_policy={Block})
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
-    mine = x[3 * rank : 3 * (rank + 1)]
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    mine = _mine(x, rank, world)
     model(mine).square().mean().backward()
     ref(x).square().mean().backward()
     before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -154,8 +160,8 @@ def meta_init(rank: int, world: int, _: None) -> dict[str, object]:
 
     model = FSDP(net, auto_wrap_policy={Block}, param_init_fn=init, sync_module_states=True)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
-    model(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(1))
+    model(_mine(x, rank, world)).square().mean().backward()
     ref(x).square().mean().backward()
     opt.step(), ref_opt.step()
     got = model.full_state_dict()
@@ -184,8 +190,8 @@ def meta_init(rank: int, world: int, _: None) -> dict[str, object]:
     return out
 
 
-def test_meta_init_with_param_init_fn_and_sync_module_states() -> None:
-    for out in run_world(2, meta_init, None, timeout=120):
+def check_meta_init(results: list[dict[str, object]]) -> None:
+    for out in results:
         diff = out["diff"]
         assert isinstance(diff, float) and diff < 1e-6
         assert out["default_materialized"] is True and out["default_initialized"] is True
@@ -194,6 +200,10 @@ def test_meta_init_with_param_init_fn_and_sync_module_states() -> None:
             "pass param_init_fn=, or build it on a real device"
         )
         assert "param_init_fn: expected None or a callable(module), got 'zeros'" in str(out["not_callable"])
+
+
+def test_meta_init_with_param_init_fn_and_sync_module_states() -> None:
+    check_meta_init(run_world(2, meta_init, None, timeout=120))
 
 
 def _resolve(model: nn.Module, name: str) -> torch.Tensor:
@@ -213,8 +223,8 @@ def summon(rank: int, world: int, use_orig_params: bool) -> dict[str, object]:
     ref = copy.deepcopy(net)
     model = FSDP(net, auto_wrap_policy={Block}, use_orig_params=use_orig_params)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
-    model(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+    model(_mine(x, rank, world)).square().mean().backward()
     ref(x).square().mean().backward()
     names = [n for n, _ in ref.named_parameters()]
 
@@ -248,7 +258,7 @@ def summon(rank: int, world: int, use_orig_params: bool) -> dict[str, object]:
     with FSDP.summon_full_params(model, recurse=False, writeback=False):
         out["root_only"] = [tuple(_resolve(model, n).shape) for n in names]
 
-    model(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+    model(_mine(x, rank, world)).square().mean().backward()
     ref(x).square().mean().backward()
     opt.step(), ref_opt.step()
     got = model.full_state_dict()
@@ -268,26 +278,30 @@ def summon(rank: int, world: int, use_orig_params: bool) -> dict[str, object]:
     return out
 
 
+def check_summon(use_orig_params: bool, results: list[dict[str, object]]) -> None:
+    for rank, out in enumerate(results):
+        for key in ("full", "written_back", "trains_after", *(("grads",) if use_orig_params else ())):
+            value = out[key]
+            assert isinstance(value, float) and value < 1e-6, (use_orig_params, key, value)
+        assert out["shapes"] is True
+        full = [(8, 4), (8,), (4, 8), (4,)] * 2 + [(1, 4), (1,)]
+        rank0_only = out["rank0_only"]
+        assert isinstance(rank0_only, list)
+        if rank == 0:
+            assert rank0_only == full
+        elif use_orig_params:
+            assert rank0_only != full, "rank0_only: rank 1 saw the full parameters"
+        root_only = out["root_only"]
+        assert isinstance(root_only, list) and root_only[-2:] == full[-2:]
+        if use_orig_params:
+            assert root_only[:-2] != full[:-2], "recurse=False gathered the nested units too"
+        assert "writeback=True with rank0_only=True is not supported" in str(out["writeback-rank0_only"])
+        assert (out["with_grads"] == "accepted") == use_orig_params, out["with_grads"]
+
+
 def test_summon_full_params() -> None:
     for use_orig_params in (False, True):
-        for rank, out in enumerate(run_world(2, summon, use_orig_params, timeout=120)):
-            for key in ("full", "written_back", "trains_after", *(("grads",) if use_orig_params else ())):
-                value = out[key]
-                assert isinstance(value, float) and value < 1e-6, (use_orig_params, key, value)
-            assert out["shapes"] is True
-            full = [(8, 4), (8,), (4, 8), (4,)] * 2 + [(1, 4), (1,)]
-            rank0_only = out["rank0_only"]
-            assert isinstance(rank0_only, list)
-            if rank == 0:
-                assert rank0_only == full
-            elif use_orig_params:
-                assert rank0_only != full, "rank0_only: rank 1 saw the full parameters"
-            root_only = out["root_only"]
-            assert isinstance(root_only, list) and root_only[-2:] == full[-2:]
-            if use_orig_params:
-                assert root_only[:-2] != full[:-2], "recurse=False gathered the nested units too"
-            assert "writeback=True with rank0_only=True is not supported" in str(out["writeback-rank0_only"])
-            assert (out["with_grads"] == "accepted") == use_orig_params, out["with_grads"]
+        check_summon(use_orig_params, run_world(2, summon, use_orig_params, timeout=120))
 
 
 def _init(m: nn.Module) -> None:
@@ -318,15 +332,17 @@ def apply_and_to(rank: int, world: int, use_orig_params: bool) -> dict[str, obje
     return out
 
 
+def check_apply_and_to(results: list[dict[str, object]]) -> None:
+    for out in results:
+        applied = out["applied"]
+        assert isinstance(applied, float) and applied == 0.0
+        assert out["returns_self"] is True and out["same_device"] is True
+        assert str(out["to_dtype"]).startswith("to: the parameters' dtype and device are fixed when FSDP wraps them")
+
+
 def test_apply_runs_on_full_parameters_and_to_dtype_is_refused() -> None:
     for use_orig_params in (False, True):
-        for out in run_world(2, apply_and_to, use_orig_params, timeout=120):
-            applied = out["applied"]
-            assert isinstance(applied, float) and applied == 0.0
-            assert out["returns_self"] is True and out["same_device"] is True
-            assert str(out["to_dtype"]).startswith(
-                "to: the parameters' dtype and device are fixed when FSDP wraps them"
-            )
+        check_apply_and_to(run_world(2, apply_and_to, use_orig_params, timeout=120))
 
 
 def compiled(rank: int, world: int, backend: str) -> dict[str, object]:
@@ -343,8 +359,8 @@ def compiled(rank: int, world: int, backend: str) -> dict[str, object]:
     step = torch.compile(model, backend=backend)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for i in range(3):
-        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 + i))
-        step(x[3 * rank : 3 * (rank + 1)]).square().mean().backward()
+        x = torch.randn(12, 4, generator=torch.Generator().manual_seed(10 + i))
+        step(_mine(x, rank, world)).square().mean().backward()
         ref(x).square().mean().backward()
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
@@ -361,10 +377,37 @@ def compiled(rank: int, world: int, backend: str) -> dict[str, object]:
     return out
 
 
-def test_torch_compile_of_the_wrapped_model_from_the_first_call() -> None:
-    for out in run_world(2, compiled, "inductor", timeout=600):
+def check_compiled(results: list[dict[str, object]]) -> None:
+    for out in results:
         diff = out["diff"]
         assert isinstance(diff, float) and diff < 1e-5
         graphs = out["graphs"]
         assert isinstance(graphs, int) and graphs > 0
         assert out["mismatch"] == "RankMismatchError"
+
+
+def test_torch_compile_of_the_wrapped_model_from_the_first_call() -> None:
+    check_compiled(run_world(2, compiled, "inductor", timeout=600))
+
+
+def on_four_ranks(rank: int, world: int, _: None) -> dict[str, dict[str, object]]:
+    """The checks above in one world of 4 (one spawn): meta-device init, ``summon_full_params``
+    and ``apply``/``to`` flat and ``use_orig_params``, ``torch.compile`` (``aot_eager``: Dynamo
+    and AOTAutograd as under inductor, without four ranks compiling C++ on two cores)."""
+    return {
+        "meta": meta_init(rank, world, None),
+        "summon-flat": summon(rank, world, False),
+        "summon-orig": summon(rank, world, True),
+        "apply-flat": apply_and_to(rank, world, False),
+        "apply-orig": apply_and_to(rank, world, True),
+        "compile": compiled(rank, world, "aot_eager"),
+    }
+
+
+def test_the_habits_on_four_ranks() -> None:
+    results = run_world(4, on_four_ranks, None, timeout=600)
+    check_meta_init([out["meta"] for out in results])
+    check_summon(False, [out["summon-flat"] for out in results])
+    check_summon(True, [out["summon-orig"] for out in results])
+    check_apply_and_to([out["apply-flat"] for out in results] + [out["apply-orig"] for out in results])
+    check_compiled([out["compile"] for out in results])

@@ -18,7 +18,7 @@ from torch._C._distributed_c10d import _make_nccl_premul_sum
 
 from fsdp_core import ReduceKind, ReduceOpSpec
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "to_reduce_op"]
+__all__ = ["all_gather_flat", "any_rank", "reduce_scatter_flat", "to_reduce_op"]
 
 _DEPRECATED = r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
@@ -44,6 +44,13 @@ def all_gather_flat(
         warnings.filterwarnings("ignore", message=_DEPRECATED, category=FutureWarning)
         work: dist.Work | None = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
     return work
+
+
+def any_rank(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (a collective: every rank calls it)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def reduce_scatter_flat(

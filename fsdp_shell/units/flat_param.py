@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_core import FlatParamLayout, InputRole, Plan, PlanRequest, ShardingSpec, ShardView
-from fsdp_shell.runtime.collectives import all_gather_flat
+from fsdp_shell.runtime.collectives import all_gather_flat, any_rank
 from fsdp_shell.runtime.protocol import Pending, Runtime
 from fsdp_shell.units.gather_limit import GatherLimiter
 
@@ -445,6 +445,23 @@ class FlatParamHandle:
     def full_flat(self) -> torch.Tensor:
         """The whole flat parameter in its original dtype, on every rank (a collective)."""
         return self.gather_full(self.local.to(device=self.device, dtype=self.orig_dtype))
+
+    def full_grad_flat(self) -> torch.Tensor | None:
+        """With ``use_orig_params``: the whole reduced gradient, on every rank, or None where no
+        rank of the shard group has one (as FSDP1's ``with_grads``). Collectives over the shard
+        group, so every rank decides alike: whether any rank shows a gradient, then the gather. A
+        rank showing none (its gradients set to None, or a shard holding only padding, where
+        no original parameter has a ``.grad``) contributes zeros. Gathered on the compute device in
+        the parameters' dtype (an offloaded gradient is copied there first)."""
+        shown = any(p.grad is not None for p in self.orig_params)
+        local = self.sharded_grad_flat() if shown else None
+        if self.is_sharded and not any_rank(local is not None, self.shard_group, self.device):
+            return None
+        if local is None:
+            if not self.is_sharded:
+                return None
+            local = torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=self.device)
+        return self.gather_full(local.to(device=self.device, dtype=self.orig_dtype))
 
     def full_values(self) -> dict[str, torch.Tensor]:
         """Each original parameter's full value by its unwrapped name."""

@@ -56,7 +56,7 @@ def summoned(
     try:
         for h in handles:
             flat = h.full_flat()
-            grads = _full_grads(h) if with_grads else None
+            grads = h.full_grad_flat() if with_grads else None
             if not shown:
                 continue
             if offload_to_cpu:
@@ -67,11 +67,6 @@ def summoned(
     finally:
         for restore in reversed(restores):
             restore.undo(writeback=writeback)
-
-
-def _full_grads(h: FlatParamHandle) -> torch.Tensor | None:
-    grad = h.sharded_grad_flat() if any(p.grad is not None for p in h.orig_params) else None
-    return None if grad is None else h.gather_full(grad)
 
 
 class Restore:
