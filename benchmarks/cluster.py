@@ -293,20 +293,7 @@ def _die_with_parent() -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _start(rank: int, ns: str, job: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=IFNAME)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    code = "from benchmarks.cluster import _worker; _worker()"
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-c", code, str(job), str(rank)],
-        env=env,
-        start_new_session=True,
-        preexec_fn=_die_with_parent,  # noqa: PLW1509  (only prctl, before any thread of the child starts)
-    )
-
-
-def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+def _stop(procs: list[subprocess.Popen[str]], grace: float) -> None:
     """Wait up to ``grace`` s for the ranks to exit, then kill each rank's process group."""
     deadline = time.monotonic() + grace
     for p in procs:
@@ -319,7 +306,7 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
             p.wait()
 
 
-def _collect(procs: list[subprocess.Popen[bytes]], job: Path, timeout: float) -> list[Any]:
+def _collect(procs: list[subprocess.Popen[str]], job: Path, timeout: float) -> list[Any]:
     """Results in rank order, polling the ranks' result files. Raises on a failure, naming the
     rank whose failure was written first (peers of a failed rank fail after it)."""
     world = len(procs)
@@ -370,36 +357,25 @@ def run_on_cluster(
     gone when this returns or raises."""
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
-    link = Link.at(rate_mbit)
-    if (reason := _unavailable()) is not None:
-        raise RuntimeError(f"emulated cluster unavailable: {reason}")
     world = NODES * ranks_per_node
     prep = multiprocessing.spawn.get_preparation_data("rank")
     prep.pop("authkey", None)
     job_blob = pickle.dumps((prep, pickle.dumps((fn, arg)), world))
-    names = _names()
-    with _signals_unwind() as hold, tempfile.TemporaryDirectory(prefix="fsdp-cluster-") as tmp:
+    code = "from benchmarks.cluster import _worker; _worker()"
+    with _cluster(Link.at(rate_mbit)) as (names, hold), tempfile.TemporaryDirectory(prefix="fsdp-cluster-") as tmp:
         job = Path(tmp) / "job.pkl"
         job.write_bytes(job_blob)
+        procs: list[subprocess.Popen[str]] = []
         try:
-            _sweep_stale()
-            try:
-                _create(names, link)
-            except _SetupFailed as e:
-                raise RuntimeError(f"emulated cluster unavailable: {e}") from None
-            procs: list[subprocess.Popen[bytes]] = []
-            try:
-                for rank in range(world):
-                    procs.append(_start(rank, names[node_of(rank, ranks_per_node)], job))
-                results: list[R] = _collect(procs, job, timeout)
-                _stop(procs, grace=10.0)
-                return results
-            finally:
-                hold()
-                _stop(procs, grace=0.0)
+            for rank in range(world):
+                ns = names[node_of(rank, ranks_per_node)]
+                procs.append(start_in(ns, [sys.executable, "-c", code, str(job), str(rank)]))
+            results: list[R] = _collect(procs, job, timeout)
+            _stop(procs, grace=10.0)
+            return results
         finally:
             hold()
-            _destroy(names)
+            _stop(procs, grace=0.0)
 
 
 @contextmanager
@@ -408,7 +384,14 @@ def nodes(*, rate_mbit: float = 400.0) -> Iterator[tuple[str, str]]:
     such as ``torchrun`` in each node: created on entry, deleted on every exit path as
     ``run_on_cluster`` deletes its own. Raises ``RuntimeError`` with the reason when the cluster
     cannot be built."""
-    link = Link.at(rate_mbit)
+    with _cluster(Link.at(rate_mbit)) as (names, _):
+        yield names
+
+
+@contextmanager
+def _cluster(link: Link) -> Iterator[tuple[tuple[str, str], Callable[[], None]]]:
+    """Both nodes (their namespaces' names) and ``_signals_unwind``'s ``hold``, for the block;
+    the namespaces are deleted on every exit path (module docstring, "Lifetime")."""
     if (reason := _unavailable()) is not None:
         raise RuntimeError(f"emulated cluster unavailable: {reason}")
     names = _names()
@@ -419,7 +402,7 @@ def nodes(*, rate_mbit: float = 400.0) -> Iterator[tuple[str, str]]:
                 _create(names, link)
             except _SetupFailed as e:
                 raise RuntimeError(f"emulated cluster unavailable: {e}") from None
-            yield names
+            yield names, hold
         finally:
             hold()
             _destroy(names)

@@ -107,8 +107,8 @@ def habits(rank: int, world: int, _: None) -> dict[str, object]:
     return out
 
 
-def test_fsdp1_habits() -> None:
-    for out in run_world(2, habits, None, timeout=120):
+def check_habits(results: list[dict[str, object]]) -> None:
+    for out in results:
         norm_diff = out["norm_diff"]
         assert isinstance(norm_diff, float) and norm_diff < 1e-6
         assert out["grads_unchanged"] is True
@@ -126,6 +126,10 @@ def test_fsdp1_habits() -> None:
             "SHARDED_STATE_DICT",
             "ShardedOptimStateDictConfig",
         )
+
+
+def test_fsdp1_habits() -> None:
+    check_habits(run_world(2, habits, None, timeout=120))
 
 
 class Plain(nn.Module):
@@ -391,10 +395,11 @@ def test_torch_compile_of_the_wrapped_model_from_the_first_call() -> None:
 
 
 def on_four_ranks(rank: int, world: int, _: None) -> dict[str, dict[str, object]]:
-    """The checks above in one world of 4 (one spawn): meta-device init, ``summon_full_params``
+    """The checks above in one world of 4 (one spawn): the habits, meta-device init, ``summon_full_params``
     and ``apply``/``to`` flat and ``use_orig_params``, ``torch.compile`` (``aot_eager``: Dynamo
     and AOTAutograd as under inductor, without four ranks compiling C++ on two cores)."""
     return {
+        "habits": habits(rank, world, None),
         "meta": meta_init(rank, world, None),
         "summon-flat": summon(rank, world, False),
         "summon-orig": summon(rank, world, True),
@@ -406,6 +411,7 @@ def on_four_ranks(rank: int, world: int, _: None) -> dict[str, dict[str, object]
 
 def test_the_habits_on_four_ranks() -> None:
     results = run_world(4, on_four_ranks, None, timeout=600)
+    check_habits([out["habits"] for out in results])
     check_meta_init([out["meta"] for out in results])
     check_summon(False, [out["summon-flat"] for out in results])
     check_summon(True, [out["summon-orig"] for out in results])
