@@ -1,4 +1,4 @@
-"""torch's auto-wrap policies choose the same units here as in PyTorch's FSDP1, on a gloo world.
+"""torch's auto-wrap policies choose the same units here as in PyTorch's FSDP1, on gloo worlds of 2 and 4.
 
 ``transformer_auto_wrap_policy``, ``size_based_auto_wrap_policy`` and
 ``lambda_auto_wrap_policy`` (as ``functools.partial``, the accelerate/llama-recipes setup),
@@ -91,19 +91,24 @@ def compare(rank: int, world: int, name: str) -> tuple[list[str], list[str], flo
     return _units(ours, FSDP), _units(theirs, TorchFSDP), diff
 
 
-Compared = dict[str, list[tuple[list[str], list[str], float]]]
+def compare_all(rank: int, world: int, _: None) -> dict[str, tuple[list[str], list[str], float]]:
+    """``compare`` for every policy, in one world."""
+    return {name: compare(rank, world, name) for name in POLICIES}
+
+
+Compared = dict[int, list[dict[str, tuple[list[str], list[str], float]]]]
 
 
 @pytest.fixture(scope="module")
 def compared() -> Compared:
-    return {name: run_world(2, compare, name, timeout=120) for name in POLICIES}
+    return {world: run_world(world, compare_all, None, timeout=300) for world in (2, 4)}
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_torchs_policies_choose_fsdp1s_units(
-    name: str, compared: dict[str, list[tuple[list[str], list[str], float]]]
-) -> None:
-    for ours, theirs, diff in compared[name]:
+def test_torchs_policies_choose_fsdp1s_units(name: str, world: int, compared: Compared) -> None:
+    for by_policy in compared[world]:
+        ours, theirs, diff = by_policy[name]
         assert ours == theirs
         assert len(ours) > 1, "the policy wrapped nothing below the root"
         assert diff < 1e-6
