@@ -41,6 +41,7 @@ from fsdp_core.plan.ops import (
 )
 from fsdp_core.plan.planner import (
     PLAN_BUILDERS,
+    PLANS_IN_FLIGHT,
     PlanCache,
     UnsoundPlanError,
     all_reduce_stream,
@@ -99,6 +100,7 @@ from fsdp_core.unshard.verifier import check_unshard
 __all__ = [
     "CARRIED_ROLES",
     "HYBRID_STRATEGIES",
+    "PLANS_IN_FLIGHT",
     "PLAN_BUILDERS",
     "Accumulate",
     "AllReduce",

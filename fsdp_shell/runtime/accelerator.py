@@ -174,6 +174,12 @@ class AcceleratorRuntime(Generic[S, E]):
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self._device.pinned_empty(numel, dtype)
 
+    def free(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def begin_plan(self) -> None:
+        return None
+
     def compute(self, stream: Stream, work: Callable[[], object], uses: tuple[torch.Tensor, ...]) -> None:
         with self._on(stream):
             work()
@@ -240,7 +246,7 @@ class AcceleratorRuntime(Generic[S, E]):
     def free_marker(self) -> Waitable:
         return _HostWait(self._device, self._device.record_event(self._device.current_stream()))
 
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor, *, src_dies: bool) -> Pending | None:
         device = self._device
         gather = self.streams[Stream.ALL_GATHER]
         device.wait_stream(gather, device.current_stream())

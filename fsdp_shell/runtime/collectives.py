@@ -18,7 +18,7 @@ from torch._C._distributed_c10d import _make_nccl_premul_sum
 
 from fsdp_core import ReduceKind, ReduceOpSpec
 
-__all__ = ["all_gather_flat", "any_rank", "reduce_scatter_flat", "to_reduce_op"]
+__all__ = ["all_gather_flat", "any_rank", "reduce_scatter_flat", "release", "to_reduce_op"]
 
 _DEPRECATED = r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
@@ -50,7 +50,19 @@ def any_rank(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool
     """Whether ``flag`` holds on any rank of ``group`` (a collective: every rank calls it)."""
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    agreed = bool(t.item())
+    release(t)
+    return agreed
+
+
+def release(*tensors: torch.Tensor) -> None:
+    """Give back the memory of host tensors a completed collective used and nothing else will:
+    gloo's threads may still hold them for a moment after the collective has completed, so
+    dropping the last reference here would free them at a time that depends on those threads."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        if t.device.type == "cpu" and storage.size() != 0:
+            storage.resize_(0)
 
 
 def reduce_scatter_flat(

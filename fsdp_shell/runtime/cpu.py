@@ -9,24 +9,39 @@ the hook returns and autograd goes on.
 Every process group has exactly one issuer, so collectives are issued in the same order on
 every rank whatever the timing: the host thread inside the hooks for the shard group (and the
 all-gathers), the lane for the replicate group. Nothing polls for completion.
+
+Memory is a function of program order, not of timing. Where work runs depends only on what the
+host has waited for, never on whether the lane happens to be done already; at each plan's start
+the host waits for the lane work of plans more than ``PLANS_IN_FLIGHT`` back, and only then
+returns what those freed; a buffer a collective used is freed by shrinking its storage at that
+point, since gloo's threads may still hold a reference to it for a moment after ``wait()``
+returns (``LiveBytes`` saw one in four all-gather inputs outlive the wait).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from fsdp_core import Group, ReduceKind, ReduceOpSpec, Stream
-from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, to_reduce_op
+from fsdp_core import PLANS_IN_FLIGHT, Group, ReduceKind, ReduceOpSpec, Stream
+from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, release, to_reduce_op
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_shell.runtime.protocol import Pending, Waitable
 
-__all__ = ["ALL_TO_ALL_MAX_BYTES", "ASYNC_GATHER_MAX_BYTES", "CpuRuntime", "Lane", "gloo_reduce_scatter"]
+__all__ = [
+    "ALL_TO_ALL_MAX_BYTES",
+    "ASYNC_GATHER_MAX_BYTES",
+    "CpuRuntime",
+    "Lane",
+    "gloo_receive_buffer",
+    "gloo_reduce_scatter",
+]
 
 ASYNC_GATHER_MAX_BYTES = 4 << 20
 """On CPU, all-gathers up to this size stay in flight while the host goes on (prefetch);
@@ -59,6 +74,12 @@ class Lane:
         self._log = log
         self._submitted = 0
         self._done = 0
+        self._progress = threading.Condition()
+
+    @property
+    def submitted(self) -> int:
+        """The ticket of the last work submitted (0: none yet)."""
+        return self._submitted
 
     def submit(self, work: Callable[[], object]) -> int:
         """Run ``work`` on the lane after everything submitted before it; returns its ticket."""
@@ -74,6 +95,12 @@ class Lane:
         """Whether the work with ``ticket`` has run (or been skipped after a failure)."""
         return self._done >= ticket
 
+    def wait_through(self, ticket: int) -> None:
+        """Block until the work with ``ticket`` and everything before it has run (or been
+        skipped); what failed is raised by ``drain``."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._done >= ticket)
+
     def _serve(self) -> None:
         while True:
             work = self._queue.get()
@@ -84,7 +111,9 @@ class Lane:
                 self._error = error
             finally:
                 del work
-                self._done += 1
+                with self._progress:
+                    self._done += 1
+                    self._progress.notify_all()
                 self._queue.task_done()
 
     def drain(self) -> None:
@@ -98,19 +127,24 @@ class Lane:
 class CpuRuntime:
     """Ops run on the host thread when ready, on the lane when they must wait.
 
-    Work goes to the lane when a tensor it uses was last used by work still on the lane, or when
-    its stream already has work there (stream order, as on a CUDA stream: with
-    ``hybrid_all_reduce="sync"`` the next unit's reduce-scatter waits behind this unit's
-    all-reduce on the post-backward stream). A collective goes to the lane only if its group is
-    one the lane issues: the replicate group always; the shard group too when the all-gathers
-    have a group of their own (``lane_issues_shard``), so the host issues nothing else on it.
-    Otherwise the host first waits for the lane to catch up, then issues it itself and waits for
-    it: a shard-group reduction still in flight would hold a unit's unsharded gradient while the
-    next unit's backward allocates its own, which on a CPU with no device of its own buys no speed
-    on gloo and costs that much peak memory over FSDP1 (``benchmarks/bench_training.py``). Either
-    way each group's collectives are issued one after another by one thread at a time, in program
-    order. The replicate all-reduce, the slow inter-node one, is issued by the lane and overlaps
-    later backward work."""
+    Work goes to the lane when a tensor it uses was last used by lane work the host has not
+    waited for, or when its stream already has such work there (stream order, as on a CUDA
+    stream: with ``hybrid_all_reduce="sync"`` the next unit's reduce-scatter waits behind this
+    unit's all-reduce on the post-backward stream). A collective goes to the lane only if its
+    group is one the lane issues: the replicate group always; the shard group too when the
+    all-gathers have a group of their own (``lane_issues_shard``), so the host issues nothing
+    else on it. Otherwise the host first waits for the lane to catch up, then issues it itself
+    and waits for it: a shard-group reduction still in flight would hold a unit's unsharded
+    gradient while the next unit's backward allocates its own, which on a CPU with no device of
+    its own buys no speed on gloo and costs that much peak memory over FSDP1
+    (``benchmarks/bench_training.py``). Either way each group's collectives are issued one after
+    another by one thread at a time, in program order. The replicate all-reduce, the slow
+    inter-node one, is issued by the lane and overlaps later backward work, of at most
+    ``PLANS_IN_FLIGHT`` units (``begin_plan``).
+
+    What the host "has waited for" is a ticket it moves forward only at ``begin_plan`` and
+    ``drain``, never because the lane happens to be done, so where work runs and when memory is
+    returned follow from program order alone (module docstring)."""
 
     def __init__(self, groups: ProcessGroups, log: CollectiveLog, *, lane_issues_shard: bool = False) -> None:
         self.lane = Lane(log)
@@ -123,13 +157,24 @@ class CpuRuntime:
         self._last_use: dict[int, int] = {}
         """By ``id`` of a tensor: the ticket of the last lane work that used it. A tensor cannot
         be freed (and its ``id`` reused) while that work has not run: the work holds it."""
+        self._waited = 0
+        """The host has waited for the lane work through this ticket."""
+        self._plan_marks: deque[int] = deque(maxlen=PLANS_IN_FLIGHT + 1)
+        """The lane's last ticket when each of the latest plans began."""
+        self._frees: list[tuple[int, torch.Tensor]] = []
+        """Tensors the plans freed while lane work through the ticket may use them."""
+        self._collective_operands: set[int] = set()
+        """By ``id``: tensors a collective has read or written since the last drain."""
+        self.most_plans_in_flight = 0
+        """The most plans whose lane work the host had not waited for when a plan began (the
+        bound's witness, for tests)."""
 
     # -- ordering ------------------------------------------------------------------------------
 
     def _behind(self, keys: tuple[Stream | Group, ...], uses: tuple[torch.Tensor, ...]) -> bool:
-        lane = self.lane
-        return any(not lane.done(self._tail.get(k, 0)) for k in keys) or any(
-            not lane.done(self._last_use.get(id(t), 0)) for t in uses
+        waited = self._waited
+        return any(self._tail.get(k, 0) > waited for k in keys) or any(
+            self._last_use.get(id(t), 0) > waited for t in uses
         )
 
     def _defer(
@@ -144,6 +189,7 @@ class CpuRuntime:
     def _collective(
         self, stream: Stream, group: Group, issue: Callable[[], Pending | None], uses: tuple[torch.Tensor, ...]
     ) -> None:
+        self._collective_operands.update(id(t) for t in uses)
         keys = (stream, group)
         behind = self._behind(keys, uses)
         if group is Group.REPLICATE or (behind and group in self._lane_issues):
@@ -153,6 +199,24 @@ class CpuRuntime:
             self.drain()
         _issue_and_wait(issue)
 
+    def _wait_through(self, ticket: int) -> None:
+        if ticket <= self._waited:
+            return
+        self.lane.wait_through(ticket)
+        self._waited = ticket
+        due = [t for k, t in self._frees if k <= ticket]
+        self._frees = [(k, t) for k, t in self._frees if k > ticket]
+        for t in due:
+            self._release(t)
+
+    def _release(self, tensor: torch.Tensor) -> None:
+        """Return ``tensor``'s memory now: a collective's operand by shrinking its storage (gloo may
+        still hold the tensor for a moment), when the tensor is all of it."""
+        if id(tensor) in self._collective_operands:
+            self._collective_operands.discard(id(tensor))
+            if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
+                release(tensor)
+
     # -- the Runtime protocol ------------------------------------------------------------------
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device, stream: Stream) -> torch.Tensor:
@@ -160,6 +224,20 @@ class CpuRuntime:
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        ticket = self._last_use.get(id(tensor), 0)
+        if ticket > self._waited:
+            self._frees.append((ticket, tensor))
+        else:
+            self._release(tensor)
+
+    def begin_plan(self) -> None:
+        marks = self._plan_marks
+        marks.append(self.lane.submitted)
+        self.most_plans_in_flight = max(self.most_plans_in_flight, sum(1 for m in list(marks)[1:] if m > self._waited))
+        if len(marks) == marks.maxlen:
+            self._wait_through(marks[0])
 
     def compute(self, stream: Stream, work: Callable[[], object], uses: tuple[torch.Tensor, ...]) -> None:
         if self._behind((stream,), uses):
@@ -176,16 +254,24 @@ class CpuRuntime:
         self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
     ) -> None:
         pg = self._groups.of(group)
-        summing_on_gloo = self._gloo and op.kind is ReduceKind.SUM
+        if not (self._gloo and op.kind is ReduceKind.SUM):
 
-        def issue() -> Pending | None:
+            def issue() -> Pending | None:
+                self._log.add("reduce_scatter", group, src.dtype, src.numel())
+                work = reduce_scatter_flat(dst, src, pg, to_reduce_op(op), async_op=True)
+                return None if work is None else Pending(work, (src, dst))
+
+            self._collective(stream, group, issue, (src, dst))
+            return
+        chunks = gloo_receive_buffer(src, may_overwrite_src=src_dies)
+
+        def issue_on_gloo() -> Pending | None:
             self._log.add("reduce_scatter", group, src.dtype, src.numel())
-            if summing_on_gloo:
-                return gloo_reduce_scatter(dst, src, pg, may_overwrite_src=src_dies)
-            work = reduce_scatter_flat(dst, src, pg, to_reduce_op(op), async_op=True)
-            return None if work is None else Pending(work, (src, dst))
+            return gloo_reduce_scatter(dst, src, pg, chunks)
 
-        self._collective(stream, group, issue, (src, dst))
+        self._collective(stream, group, issue_on_gloo, (src, dst) if chunks is None else (src, dst, chunks))
+        if chunks is not None:
+            self.free(chunks)
 
     def all_reduce(self, stream: Stream, group: Group, tensor: torch.Tensor, op: ReduceOpSpec) -> None:
         pg = self._groups.of(group)
@@ -231,7 +317,15 @@ class CpuRuntime:
     def drain(self) -> None:
         self._tail.clear()
         self._last_use.clear()
-        self.lane.drain()
+        self._plan_marks.clear()
+        try:
+            self.lane.drain()
+        finally:
+            self._waited = self.lane.submitted
+            frees, self._frees = self._frees, []
+            for _, t in frees:
+                self._release(t)
+            self._collective_operands.clear()
 
     def settle(self) -> None:
         self.drain()
@@ -239,12 +333,15 @@ class CpuRuntime:
     def free_marker(self) -> Waitable:
         return _REACHED
 
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor, *, src_dies: bool) -> Pending | None:
         self._log.add("all_gather", Group.SHARD, out.dtype, out.numel())
         work = all_gather_flat(out, src, self._groups.gather_group, async_op=True)
+        landed = None if not src_dies else lambda: release(src)
         if work is None:
+            if landed is not None:
+                landed()
             return None
-        pending = Pending(work, (src, out))
+        pending = Pending(work, (src, out), then=landed)
         if out.nbytes > ASYNC_GATHER_MAX_BYTES:
             pending.wait()
             return None
@@ -261,19 +358,28 @@ ALL_TO_ALL_MAX_BYTES = 4 << 20
 """Gloo reduce-scatters of inputs up to this size go by all-to-all (fast, one more buffer)."""
 
 
+def gloo_receive_buffer(src: torch.Tensor, *, may_overwrite_src: bool) -> torch.Tensor | None:
+    """The receive buffer ``gloo_reduce_scatter`` needs for ``src`` (None: it needs none),
+    allocated by the caller, on the host thread, so that memory follows program order."""
+    if may_overwrite_src and src.numel() * src.element_size() > ALL_TO_ALL_MAX_BYTES:
+        return None
+    return torch.empty_like(src)
+
+
 def gloo_reduce_scatter(
-    dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, *, may_overwrite_src: bool
+    dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, chunks: torch.Tensor | None
 ) -> Pending:
     """A summing reduce-scatter on gloo, which has none of its own (torch emulates it with an
     all-reduce of a copy of ``src``: twice the bytes of a reduce-scatter, one more buffer).
 
-    Up to ``ALL_TO_ALL_MAX_BYTES``, or when ``src`` must survive: an all-to-all (every rank
-    sends each other rank its chunk, the bytes of a ring reduce-scatter) into a receive buffer
-    and a local sum of the chunks, 4-8x faster than torch's emulation on loopback
-    (``benchmarks/bench_collectives.py``). Larger inputs the plan frees right after: an
-    in-place all-reduce of ``src`` and a copy of this rank's chunk, which needs no buffer
-    beyond ``src`` and ``dst``, as the unsharded gradient dominates memory there."""
-    if may_overwrite_src and src.numel() * src.element_size() > ALL_TO_ALL_MAX_BYTES:
+    With a receive buffer ``chunks`` (``gloo_receive_buffer``: up to ``ALL_TO_ALL_MAX_BYTES``,
+    or when ``src`` must survive): an all-to-all (every rank sends each other rank its chunk,
+    the bytes of a ring reduce-scatter) into it and a local sum of the chunks, 4-8x faster than
+    torch's emulation on loopback (``benchmarks/bench_collectives.py``). Without: an in-place
+    all-reduce of ``src``, which the plan frees right after, and a copy of this rank's chunk,
+    which needs no buffer beyond ``src`` and ``dst``, as the unsharded gradient dominates
+    memory there."""
+    if chunks is None:
         chunk = src.narrow(0, group.rank() * dst.numel(), dst.numel())
         reduced = dist.all_reduce(src, group=group, async_op=True)
 
@@ -281,7 +387,6 @@ def gloo_reduce_scatter(
             dst.copy_(chunk)
 
         return Pending(reduced, (src, dst), then=land_chunk)
-    chunks = torch.empty_like(src)
     exchange = dist.all_to_all_single(chunks, src, group=group, async_op=True)
 
     def land_sum() -> None:

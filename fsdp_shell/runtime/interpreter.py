@@ -103,7 +103,8 @@ class PlanRun:
         """Whether every op has run (the gradient is handed off)."""
 
     def run_hook_ops(self) -> None:
-        """Run the ops that belong in the post-backward hook."""
+        """Run the ops that belong in the post-backward hook (``Runtime.begin_plan`` first)."""
+        self._runtime.begin_plan()
         for op in self.plan.hook_ops:
             self._step(op)
 
@@ -139,7 +140,7 @@ class PlanRun:
             case RecordStream():
                 rt.record_stream(self._tensor(op.buffer), op.stream)
             case Free():
-                self._buffers.pop(op.buffer.name, None)
+                self._free(op.buffer)
             case FreeUnshardedParam():
                 self._owner.free_unsharded()
             case Cast():
@@ -179,6 +180,14 @@ class PlanRun:
                 rt.on_host(lambda: self._owner.hand_off(plan, grad), (grad,))
             case _:
                 assert_never(op)
+
+    def _free(self, b: Buffer) -> None:
+        """The plan is done with ``b``: the runtime takes its memory back, unless the same tensor
+        lives on under another buffer's name (on the CPU an offload's host buffer is the device
+        buffer itself)."""
+        t = self._buffers.pop(b.name, None)
+        if t is not None and not any(other is t for other in self._buffers.values()):
+            self._runtime.free(t)
 
     def _bind(self, op: Input) -> None:
         if op.role is InputRole.GRAD:

@@ -63,6 +63,17 @@ class Runtime(Protocol):
         """A host buffer that device-to-host copies land in (pinned where that lets them run
         asynchronously)."""
 
+    def free(self, tensor: torch.Tensor) -> None:
+        """The plan is done with ``tensor`` (nothing else holds it): its memory goes back at this
+        point of the program, or where work still in flight may use it, at the host's next wait
+        for that work; never later because of another thread's timing. A stream-ordered device
+        drops it (the caching allocator and ``record_stream`` keep it while streams use it)."""
+
+    def begin_plan(self) -> None:
+        """A unit's post-backward plan starts: where work runs out of program order, the work of
+        plans more than ``PLANS_IN_FLIGHT`` before this one is waited for here and the memory
+        they freed goes back."""
+
     def compute(self, stream: Stream, work: Callable[[], object], uses: tuple[torch.Tensor, ...]) -> None:
         """Run element-wise ``work`` in ``stream``'s order, after earlier work on ``uses``."""
 
@@ -121,6 +132,7 @@ class Runtime(Protocol):
         until that work has run, so memory freed before the call is free on the device
         (``limit_all_gathers``). Already reached where the host runs the compute itself."""
 
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor, *, src_dies: bool) -> Pending | None:
         """Issue the all-gather of every shard-group rank's ``src`` into ``out`` (a unit's
-        unsharded flat parameter); None when it has landed already."""
+        unsharded flat parameter); None when it has landed already. ``src_dies``: ``src`` is a
+        copy made for the gather, whose memory goes back once it has landed (at the wait)."""

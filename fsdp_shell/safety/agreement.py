@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_core import Event, HookEvent
-from fsdp_shell.runtime.collectives import all_gather_flat
+from fsdp_shell.runtime.collectives import all_gather_flat, release
 
 if TYPE_CHECKING:
     from fsdp_shell.tree import Tree
@@ -135,7 +135,9 @@ def check_same_events(tree: Tree, events: list[HookEvent]) -> None:
     local = torch.tensor([digest], dtype=torch.int64)
     gathered = torch.empty(size, dtype=torch.int64)
     all_gather_flat(gathered, local, group)
-    if len(set(gathered.tolist())) == 1:
+    digests = gathered.tolist()
+    release(local, gathered)
+    if len(set(digests)) == 1:
         return
     details: list[tuple[int, list[HookEvent]] | None] = [None] * size
     dist.all_gather_object(details, (dist.get_rank(), events), group=group)

@@ -308,7 +308,8 @@ class FlatParamHandle:
         with torch.no_grad():
             src = self.local.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
             if self.is_sharded:
-                self._pending_gather = self._runtime.all_gather(self._gathered, src)
+                copied = src.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+                self._pending_gather = self._runtime.all_gather(self._gathered, src, src_dies=copied)
             else:
                 self._gathered.copy_(src)
         self._state = _Gathered.IN_FLIGHT

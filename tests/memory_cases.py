@@ -1,0 +1,157 @@
+"""What the memory tests run on each rank: training steps measured by ``LiveBytes``, with and
+without slow links, and the reference cycles a step leaves for the garbage collector."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_core import MixedPrecision, ShardingStrategy
+from fsdp_shell import FSDP
+from fsdp_shell.memory import LiveBytes
+from fsdp_shell.runtime.cpu import CpuRuntime
+from tests.runtime_cases import slow_links
+
+WIDTH = 64
+UNITS = 6
+STEPS = 3
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.relu(self.lin(x)) + x
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryCase:
+    strategy: ShardingStrategy
+    use_orig_params: bool = False
+    bf16: bool = False
+    accumulate: int = 1
+    """Backwards per step; all but the last inside ``no_sync()``."""
+    model: str = "mlp"
+    """``"mlp"`` (``UNITS`` residual layers) or a tiny Hugging Face ``"gpt2"``/``"llama"``."""
+
+
+def _model(case: MemoryCase) -> tuple[nn.Module, type[nn.Module]]:
+    if case.model == "mlp":
+        torch.manual_seed(0)
+        return nn.Sequential(*(Layer() for _ in range(UNITS))), Layer
+    from tests.hf_cases import make_model
+
+    return make_model(case.model)
+
+
+def _loss(model: nn.Module, case: MemoryCase, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank)
+    if case.model == "mlp":
+        out: torch.Tensor = model(torch.randn(8, WIDTH, generator=gen)).float().square().mean()
+        return out
+    ids = torch.randint(0, 64, (2, 16), generator=gen)
+    loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+    return loss
+
+
+@dataclass
+class Measured:
+    peaks: dict[str, int]
+    """The peak of each phase of each step (``"step 1: backward"``), in bytes."""
+    most_plans_in_flight: int
+
+
+@contextlib.contextmanager
+def _slowed(rank: int) -> Iterator[None]:
+    """``slow_links`` for the block: every collective completes late by a rank-dependent time."""
+    saved = (dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce)
+    slow_links(rank)
+    try:
+        yield
+    finally:
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = saved
+
+
+def _train(rank: int, world: int, case: MemoryCase) -> Measured:
+    hybrid = case.strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hybrid else None
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
+    gc.collect()
+    with LiveBytes() as live:
+        net, block = _model(case)
+        model = FSDP(
+            net,
+            auto_wrap_policy={block},
+            sharding_strategy=case.strategy,
+            mixed_precision=precision,
+            use_orig_params=case.use_orig_params,
+            device_mesh=mesh,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(STEPS):
+            for micro in range(case.accumulate):
+                sync = micro == case.accumulate - 1
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    with live.phase(f"step {step}: forward {micro}"):
+                        loss = _loss(model, case, rank)
+                    with live.phase(f"step {step}: backward {micro}"):
+                        torch.autograd.backward(loss)
+                    del loss
+            with live.phase(f"step {step}: optimizer"):
+                opt.step()
+                opt.zero_grad()
+        runtime = model._tree.runtime
+        assert isinstance(runtime, CpuRuntime)
+        measured = Measured({k: v for k, v in live.peaks.items() if k != "other"}, runtime.most_plans_in_flight)
+        del model, opt
+    return measured
+
+
+def timing_independent(rank: int, world: int, case: MemoryCase) -> tuple[Measured, Measured]:
+    """The same training measured twice: as it runs, and with every collective completing late."""
+    plain = _train(rank, world, case)
+    with _slowed(rank):
+        slowed = _train(rank, world, case)
+    return plain, slowed
+
+
+def tensors_in_cycles(rank: int, world: int, case: MemoryCase) -> list[str]:
+    """Tensors that a training step leaves unreachable except through reference cycles (freed
+    only by the garbage collector), described: none expected."""
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
+    net, block = _model(case)
+    model = FSDP(
+        net,
+        auto_wrap_policy={block},
+        sharding_strategy=case.strategy,
+        mixed_precision=precision,
+        use_orig_params=case.use_orig_params,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    found: list[str] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(STEPS):
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            torch.autograd.backward(_loss(model, case, rank))
+            opt.step()
+            opt.zero_grad()
+            gc.collect()
+            found += [f"step {step}: {tuple(o.shape)} {o.dtype}" for o in gc.garbage if isinstance(o, torch.Tensor)]
+            gc.set_debug(0)
+            gc.garbage.clear()
+    finally:
+        gc.set_debug(0)
+        gc.enable()
+    return found

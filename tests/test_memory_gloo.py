@@ -1,0 +1,55 @@
+"""A rank's memory follows program order, on real gloo worlds (``tests/memory_cases.py``).
+
+- The same training measured by ``LiveBytes`` as it runs and with every collective completing
+  late (rank-dependent delays, the replicate all-reduces on rank 0 most): every phase's peak is
+  the same to the byte, on every rank, for the configurations whose peaks used to depend on
+  timing (gloo's threads freeing a collective's buffers after ``wait()``; hybrid all-reduces
+  queued without bound).
+- The lane never holds more than ``PLANS_IN_FLIGHT`` earlier plans' work when a plan starts,
+  and with slow links it does reach the bound (the wait is real, not vacuous).
+- A training step leaves no tensor in a reference cycle (nothing only the garbage collector
+  frees), bf16 and fp32, flat and ``use_orig_params``, on the MLP and a Hugging Face GPT-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_core import PLANS_IN_FLIGHT, ShardingStrategy
+from tests.dist_harness import run_world
+from tests.memory_cases import MemoryCase, tensors_in_cycles, timing_independent
+
+TIMING_CASES = {
+    "hybrid-bf16": (4, MemoryCase(ShardingStrategy.HYBRID_SHARD, bf16=True)),
+    "hybrid-zero2-orig": (4, MemoryCase(ShardingStrategy.HYBRID_SHARD_ZERO2, use_orig_params=True)),
+    "full-bf16-orig": (2, MemoryCase(ShardingStrategy.FULL_SHARD, use_orig_params=True, bf16=True)),
+    "grad-op-no_sync": (2, MemoryCase(ShardingStrategy.SHARD_GRAD_OP, bf16=True, accumulate=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(TIMING_CASES))
+def test_peaks_do_not_depend_on_timing(name: str) -> None:
+    world, case = TIMING_CASES[name]
+    hybrid = "hybrid" in name
+    for rank, (plain, slowed) in enumerate(run_world(world, timing_independent, case, timeout=300)):
+        assert plain.peaks == slowed.peaks, f"rank {rank}"
+        assert len(plain.peaks) == 3 * (2 * case.accumulate + 1)
+        for measured in (plain, slowed):
+            assert measured.most_plans_in_flight <= PLANS_IN_FLIGHT
+        if hybrid:
+            assert slowed.most_plans_in_flight == PLANS_IN_FLIGHT, f"rank {rank}: the lane never had a plan in flight"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        MemoryCase(ShardingStrategy.FULL_SHARD, bf16=True),
+        MemoryCase(ShardingStrategy.FULL_SHARD, bf16=True, use_orig_params=True),
+        MemoryCase(ShardingStrategy.FULL_SHARD, bf16=True, model="gpt2"),
+        MemoryCase(ShardingStrategy.FULL_SHARD, use_orig_params=True, model="gpt2"),
+    ],
+    ids=["mlp-bf16", "mlp-bf16-orig", "gpt2-bf16", "gpt2-orig"],
+)
+def test_a_step_leaves_no_tensor_in_a_reference_cycle(case: MemoryCase) -> None:
+    for rank, found in enumerate(run_world(2, tensors_in_cycles, case, timeout=300)):
+        assert found == [], f"rank {rank}"
