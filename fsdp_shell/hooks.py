@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, assert_never
 
 import torch
@@ -209,11 +209,13 @@ def post_backward(tree: Tree, unit: int, flat_param: torch.Tensor) -> None:
     with _waiting(tree, unit, "gradient reduction"):
         _sequence(tree, HookEvent(Event.POST_BACKWARD, unit), True)
         h.restore_params()
-        _reduce(tree, unit, h.take_grad())
+        _reduce(tree, unit, h.take_grad)
 
 
-def _reduce(tree: Tree, unit: int, grad: torch.Tensor) -> None:
-    """Run the hook ops of unit ``unit``'s post-backward plan on ``grad``, its unsharded gradient."""
+def _reduce(tree: Tree, unit: int, take_grad: Callable[[], torch.Tensor]) -> None:
+    """Run the hook ops of unit ``unit``'s post-backward plan on its unsharded gradient, which
+    ``take_grad`` gives straight to the plan run: no frame here holds it, so its memory goes
+    back at the plan's ``Free`` of it, not when this returns."""
     h = tree.handles[unit]
     assert h is not None
     s = tree.settings
@@ -222,7 +224,7 @@ def _reduce(tree: Tree, unit: int, grad: torch.Tensor) -> None:
         sync_gradients=s.sync_gradients,
         requires_all_reduce=s.requires_all_reduce or not s.sync_gradients,
     )
-    run = PlanRun(tree.plans(s.request(h.request, flags)), tree.runtime, h, grad, h.carried, s.comm_hook)
+    run = PlanRun(tree.plans(s.request(h.request, flags)), tree.runtime, h, take_grad(), s.comm_hook)
     with tree.log.during(Phase.POST_BACKWARD):
         run.run_hook_ops()
         tree.iteration.runs.append((unit, run))
@@ -321,7 +323,11 @@ def run_virtually(tree: Tree, event: HookEvent, grad_on: bool) -> None:
                 _unshard_for_backward(tree, unit)
             h.restore_params()
             tree.iteration.reduced_virtually.add(unit)
-            _reduce(tree, unit, torch.zeros(h.layout.total_numel, dtype=h.flat_param.dtype, device=h.flat_param.device))
+            _reduce(
+                tree,
+                unit,
+                lambda: torch.zeros(h.layout.total_numel, dtype=h.flat_param.dtype, device=h.flat_param.device),
+            )
         case Event.POST_FORWARD | Event.END_FORWARD | Event.END_BACKWARD:
             raise AssertionError(f"{event.event.value} is never run virtually")
         case _:

@@ -13,10 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_core import MixedPrecision, ShardingStrategy
+from fsdp_core import CPUOffload, MixedPrecision, Plan, ShardingStrategy
+from fsdp_core.memory import Executor, backward_footprints
 from fsdp_shell import FSDP
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.runtime.cpu import CpuRuntime
+from fsdp_shell.runtime.interpreter import PlanRun
 from tests.runtime_cases import slow_links
 
 WIDTH = 64
@@ -43,6 +45,8 @@ class MemoryCase:
     """Backwards per step; all but the last inside ``no_sync()``."""
     model: str = "mlp"
     """``"mlp"`` (``UNITS`` residual layers) or a tiny Hugging Face ``"gpt2"``/``"llama"``."""
+    offload: bool = False
+    hybrid_all_reduce: str = "async"
 
 
 def _model(case: MemoryCase) -> tuple[nn.Module, type[nn.Module]]:
@@ -69,6 +73,38 @@ class Measured:
     peaks: dict[str, int]
     """The peak of each phase of each step (``"step 1: backward"``), in bytes."""
     most_plans_in_flight: int
+    plans: list[tuple[str, int, int, int, int]]
+    """Every post-backward plan's hook ops as run: the plan's kind, and measured against
+    ``plan_memory``'s prediction the peak (measured, predicted) and the bytes at the end
+    (measured, predicted), each relative to the hook's start."""
+
+
+@contextlib.contextmanager
+def _measuring_plans(
+    live: LiveBytes, runtime: CpuRuntime, into: list[tuple[str, int, int, int, int]]
+) -> Iterator[None]:
+    """For the block: each plan's hook ops measured in a ``live`` window; at the end, beside
+    ``backward_footprints`` of the plans of each backward (one per phase of ``live``)."""
+    run_hook_ops = PlanRun.run_hook_ops
+    runs: dict[str, list[tuple[Plan, int, int]]] = {}
+
+    def measured(run: PlanRun) -> None:
+        with live.window() as w:
+            run_hook_ops(run)
+        runs.setdefault(live.current_phase, []).append((run.plan, w.peak - w.start, w.end - w.start))
+
+    PlanRun.run_hook_ops = measured  # type: ignore[method-assign,assignment]  # test-only instrumentation, undone below
+    try:
+        yield
+    finally:
+        PlanRun.run_hook_ops = run_hook_ops  # type: ignore[method-assign]  # the original
+    for backward in runs.values():
+        predicted = backward_footprints(
+            [plan for plan, _, _ in backward], Executor.CPU_LANE, lane_issues_shard=runtime.lane_issues_shard
+        )
+        for (plan, peak, net), want in zip(backward, predicted, strict=True):
+            flags = plan.request.flags
+            into.append((f"sync={flags.sync_gradients} accumulate={flags.accumulate}", peak, want.peak, net, want.net))
 
 
 @contextlib.contextmanager
@@ -96,25 +132,34 @@ def _train(rank: int, world: int, case: MemoryCase) -> Measured:
             mixed_precision=precision,
             use_orig_params=case.use_orig_params,
             device_mesh=mesh,
+            cpu_offload=CPUOffload(offload_params=case.offload),
+            hybrid_all_reduce=case.hybrid_all_reduce,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for step in range(STEPS):
-            for micro in range(case.accumulate):
-                sync = micro == case.accumulate - 1
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    with live.phase(f"step {step}: forward {micro}"):
-                        loss = _loss(model, case, rank)
-                    with live.phase(f"step {step}: backward {micro}"):
-                        torch.autograd.backward(loss)
-                    del loss
-            with live.phase(f"step {step}: optimizer"):
-                opt.step()
-                opt.zero_grad()
         runtime = model._tree.runtime
         assert isinstance(runtime, CpuRuntime)
-        measured = Measured({k: v for k, v in live.peaks.items() if k != "other"}, runtime.most_plans_in_flight)
+        plans: list[tuple[str, int, int, int, int]] = []
+        with _measuring_plans(live, runtime, plans):
+            _steps(model, opt, live, case, rank)
+        measured = Measured({k: v for k, v in live.peaks.items() if k != "other"}, runtime.most_plans_in_flight, plans)
         del model, opt
     return measured
+
+
+def _steps(model: FSDP, opt: torch.optim.Optimizer, live: LiveBytes, case: MemoryCase, rank: int) -> None:
+    """``STEPS`` optimizer steps, each phase of each in a phase of ``live`` of its own."""
+    for step in range(STEPS):
+        for micro in range(case.accumulate):
+            sync = micro == case.accumulate - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                with live.phase(f"step {step}: forward {micro}"):
+                    loss = _loss(model, case, rank)
+                with live.phase(f"step {step}: backward {micro}"):
+                    torch.autograd.backward(loss)
+                del loss
+        with live.phase(f"step {step}: optimizer"):
+            opt.step()
+            opt.zero_grad()
 
 
 def timing_independent(rank: int, world: int, case: MemoryCase) -> tuple[Measured, Measured]:

@@ -53,3 +53,28 @@ def test_peaks_do_not_depend_on_timing(name: str) -> None:
 def test_a_step_leaves_no_tensor_in_a_reference_cycle(case: MemoryCase) -> None:
     for rank, found in enumerate(run_world(2, tensors_in_cycles, case, timeout=300)):
         assert found == [], f"rank {rank}"
+
+
+PLAN_CASES = {
+    "full": (2, MemoryCase(ShardingStrategy.FULL_SHARD)),
+    "full-bf16-orig": (2, MemoryCase(ShardingStrategy.FULL_SHARD, use_orig_params=True, bf16=True)),
+    "grad-op-bf16-no_sync": (2, MemoryCase(ShardingStrategy.SHARD_GRAD_OP, bf16=True, accumulate=2)),
+    "no-shard": (2, MemoryCase(ShardingStrategy.NO_SHARD, bf16=True)),
+    "offload": (2, MemoryCase(ShardingStrategy.FULL_SHARD, offload=True)),
+    "hybrid-bf16": (4, MemoryCase(ShardingStrategy.HYBRID_SHARD, bf16=True)),
+    "hybrid-sync-no_sync": (4, MemoryCase(ShardingStrategy.HYBRID_SHARD, hybrid_all_reduce="sync", accumulate=2)),
+    "zero2-orig": (4, MemoryCase(ShardingStrategy.HYBRID_SHARD_ZERO2, use_orig_params=True)),
+    "gpt2-bf16": (2, MemoryCase(ShardingStrategy.FULL_SHARD, bf16=True, model="gpt2")),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_every_plan_holds_what_plan_memory_predicts(name: str) -> None:
+    """Each post-backward plan's hook ops, measured by ``LiveBytes`` as they run on the CPU
+    runtime: their peak and their net bytes equal ``plan_memory``'s, to the byte."""
+    world, case = PLAN_CASES[name]
+    for rank, measured in enumerate(run_world(world, timing_independent, case, timeout=300)[0:world]):
+        for plain_or_slowed in measured:
+            assert len(plain_or_slowed.plans) >= 3 * case.accumulate * 2, "a plan per unit and backward"
+            for kind, peak, want_peak, net, want_net in plain_or_slowed.plans:
+                assert (peak, net) == (want_peak, want_net), f"rank {rank}, {kind}"

@@ -25,9 +25,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes"]
+__all__ = ["LiveBytes", "Window"]
 
 _OTHER = "other"
+
+
+class Window:
+    """The live bytes at a block's start and end and the highest in between (``LiveBytes.window``)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.peak = start
+        self.end = start
 
 
 class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated in torch
@@ -45,6 +54,7 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
         """By ``id`` of a live storage: the bytes counted for it."""
         self._lock = threading.Lock()
         self._unpatch: Callable[[], None] | None = None
+        self._windows: list[Window] = []
 
     # -- what the caller sees ------------------------------------------------------------------
 
@@ -58,11 +68,27 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
         finally:
             self._phase = outer
 
+    @contextlib.contextmanager
+    def window(self) -> Iterator[Window]:
+        """The block's own figures: live bytes at its start and end, and its peak."""
+        w = Window(self.current)
+        self._windows.append(w)
+        try:
+            yield w
+        finally:
+            self._windows.remove(w)
+            w.end = self.current
+
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count ``tensors``' storages too (made before the mode was entered)."""
         for t in tensors:
             self._see(t)
         self._note()
+
+    @property
+    def current_phase(self) -> str:
+        """The phase counted now (``"other"`` outside any)."""
+        return self._phase
 
     @property
     def storages(self) -> int:
@@ -134,6 +160,9 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
             self.peak = current
         if current > self.peaks.get(self._phase, -1):
             self.peaks[self._phase] = current
+        for w in self._windows:
+            if current > w.peak:
+                w.peak = current
 
 
 _watching: list[LiveBytes] = []

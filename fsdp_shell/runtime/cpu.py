@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_core import PLANS_IN_FLIGHT, Group, ReduceKind, ReduceOpSpec, Stream
+from fsdp_core.memory import GLOO_ALL_TO_ALL_MAX_BYTES
 from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, release, to_reduce_op
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
@@ -151,6 +152,7 @@ class CpuRuntime:
         self._groups = groups
         self._log = log
         self._gloo = groups.backend == "gloo"
+        self.lane_issues_shard = lane_issues_shard
         self._lane_issues = frozenset({Group.REPLICATE, Group.SHARD} if lane_issues_shard else {Group.REPLICATE})
         self._tail: dict[Stream | Group, int] = {}
         """The ticket of the last lane work of each stream and group."""
@@ -354,8 +356,9 @@ def _issue_and_wait(issue: Callable[[], Pending | None]) -> None:
         pending.wait()
 
 
-ALL_TO_ALL_MAX_BYTES = 4 << 20
-"""Gloo reduce-scatters of inputs up to this size go by all-to-all (fast, one more buffer)."""
+ALL_TO_ALL_MAX_BYTES = GLOO_ALL_TO_ALL_MAX_BYTES
+"""Gloo reduce-scatters of inputs up to this size go by all-to-all (fast, one more buffer; the
+memory prediction, ``fsdp_core.memory``, prices it from the same constant)."""
 
 
 def gloo_receive_buffer(src: torch.Tensor, *, may_overwrite_src: bool) -> torch.Tensor | None:

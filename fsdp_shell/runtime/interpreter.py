@@ -42,7 +42,7 @@ from fsdp_core import (
 from fsdp_core.plan.request import buffers_of
 from fsdp_shell.runtime.protocol import Runtime
 
-__all__ = ["CarriedInputs", "CommHookFn", "PlanOwner", "PlanRun"]
+__all__ = ["CommHookFn", "PlanOwner", "PlanRun"]
 
 CommHookFn = Callable[[torch.Tensor, torch.Tensor | None], None]
 """A bound comm hook: ``hook(grad, output)`` (``output`` None for in-place reduction)."""
@@ -59,18 +59,14 @@ class PlanOwner(Protocol):
     def expose_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at ``views`` of ``grad``."""
 
+    def take_carried(self, role: InputRole) -> torch.Tensor:
+        """The carried gradient under ``role``, given up to the run (no longer held by the owner)."""
+
     def hand_off(self, plan: Plan, grad: torch.Tensor) -> None:
         """Take the gradient ``plan`` hands off."""
 
     def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The host buffer an offload copies into (kept across backwards)."""
-
-
-class CarriedInputs(Protocol):
-    """The carried gradient state a plan binds its non-``GRAD`` inputs from."""
-
-    def take(self, role: InputRole) -> torch.Tensor:
-        """The tensor carried under ``role``."""
 
 
 class PlanRun:
@@ -88,14 +84,12 @@ class PlanRun:
         runtime: Runtime,
         owner: PlanOwner,
         grad: torch.Tensor,
-        carried: CarriedInputs,
         comm_hook: CommHookFn | None = None,
     ) -> None:
         self.plan = plan
         self._runtime = runtime
         self._owner = owner
         self._grad: torch.Tensor | None = grad
-        self._carried: CarriedInputs | None = carried
         self._comm_hook = comm_hook
         self._buffers: dict[str, torch.Tensor] = {}
         self._index = 0
@@ -112,7 +106,6 @@ class PlanRun:
         """Run the ops deferred to the end of backward."""
         for op in self.plan.callback_ops:
             self._step(op)
-        self._carried = None
         self.done = True
 
     def _tensor(self, b: Buffer) -> torch.Tensor:
@@ -194,10 +187,10 @@ class PlanRun:
             if self._grad is None:
                 raise RuntimeError("the plan takes the new gradient twice")
             self._buffers[op.buffer.name], self._grad = self._grad, None
-        elif self._carried is None:
+        elif self.done:
             raise RuntimeError(f"the plan run has finished; no carried {op.role.value} gradient to take")
         else:
-            self._buffers[op.buffer.name] = self._carried.take(op.role)
+            self._buffers[op.buffer.name] = self._owner.take_carried(op.role)
 
     def _dies_after(self, index: int, src: Buffer) -> bool:
         """Whether no op after ``index`` reads or writes ``src`` before the plan frees it."""

@@ -77,6 +77,11 @@ class CarriedGrads:
         except KeyError:
             raise RuntimeError(f"the plan takes a carried {role.value} gradient this unit does not hold") from None
 
+    def without(self, role: InputRole) -> CarriedGrads:
+        """The state once a plan has taken the tensor carried under ``role``."""
+        rest = {r: t for r, t in self.tensors.items() if r is not role}
+        return CarriedGrads(MappingProxyType(rest), None if self.visible is role else self.visible)
+
     def handed_off(self, plan: Plan, handed: torch.Tensor) -> CarriedGrads:
         """The state once ``plan`` has consumed its carried inputs and handed ``handed`` off."""
         kept = {role: t for role, t in self.tensors.items() if role not in plan.consumed}
@@ -388,6 +393,13 @@ class FlatParamHandle:
             raise RuntimeError("post-backward hook fired without a gradient on the flat parameter")
         self.flat_param.grad = None
         return g
+
+    def take_carried(self, role: InputRole) -> torch.Tensor:
+        """The carried gradient a plan takes under ``role``, no longer held here: the plan's run
+        holds it alone from now on, so it is freed at the plan's ``Free`` of it."""
+        t = self.carried.take(role)
+        self.carried = self.carried.without(role)
+        return t
 
     def hand_off(self, plan: Plan, grad: torch.Tensor) -> None:
         """Take what ``plan`` hands off: it becomes carried state and, without
