@@ -269,3 +269,23 @@ def test_sync_hybrid_all_reduce_stays_on_the_post_backward_stream(capsys: pytest
         assert isinstance(ops, list)
         (all_reduce,) = [op for op in ops if isinstance(op, dict) and op.get("op") == "all_reduce"]
         assert all_reduce["stream"] == stream
+
+
+def test_the_memory_the_plan_holds_on_the_cpu_runtime_and_on_device_streams(capsys: pytest.CaptureFixture[str]) -> None:
+    """The hybrid bf16 plan of ``tests/test_plan_memory.py``: on the CPU runtime its peak is the
+    reduce-scatter's receive buffer on top of the fp32 gradient and shard; on device streams the
+    fp32 cast is the peak; the JSON carries the same figures op by op."""
+    argv = ["--strategy", "HYBRID_SHARD", "--world-size", "4", "--shard-size", "2", "--numel", "4160"]
+    argv += ["--param-dtype", "bfloat16", "--reduce-dtype", "float32"]
+    assert main([*argv, "--backend", "gloo"]) == 0
+    text = capsys.readouterr().out
+    assert "memory on the device, bytes since the plan's start, on the CPU runtime (gloo):" in text
+    assert "  peak       +24,960 B (during op 7 reduce_scatter)" in text
+    assert "  hook's end -8,320 B (0 B of it freed, returned at a later wait)" in text
+    assert "found 8,320 B of gradients; frees the unsharded parameter (8,320 B); hands off 8,320 B" in text
+    assert main(argv) == 0
+    assert "  peak       +8,320 B (during op 3 cast)" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["executor"] == "streams" and memory["peak"] == 8320 and memory["peak_op"] == 3
+    assert len(memory["after"]) == 16 and memory["after"][-1] == memory["end"] == -8320

@@ -8,17 +8,23 @@ That they equal what the CPU runtime really holds, to the byte, is checked again
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import torch
 
 from fsdp_core import (
+    PLANS_IN_FLIGHT,
     CPUOffload,
     FlatParamLayout,
     MixedPrecision,
     ShardingSpec,
     ShardingStrategy,
+    check_plan,
     plan_post_backward,
 )
-from fsdp_core.memory import Executor, plan_memory, unsharded_param_bytes
+from fsdp_core.memory import Executor, backward_footprints, plan_memory, unsharded_param_bytes
+from fsdp_core.plan.ops import Free
 
 
 def _layout(numel: int) -> FlatParamLayout:
@@ -110,3 +116,30 @@ def test_no_shard_keeps_its_parameter_and_frees_nothing_of_it() -> None:
     m = plan_memory(plan, Executor.CPU_LANE)
     assert (m.unsharded, m.inputs, m.handed_off) == (0, 4000, 4000)
     assert m.end == 0, "the all-reduced gradient is the one handed off"
+
+
+def test_holding_each_fp32_reduce_output_to_the_end_of_backward_grows_with_the_units() -> None:
+    """PyTorch PR 179129's leak as a plan: bf16 parameters reduced in fp32 over HSDP, each
+    unit's fp32 reduce-scatter output (2000 B here) freed only at the end of backward instead of
+    after its cast back. The verifier accepts it (it is sound, only wasteful); the memory
+    prediction shows what it costs: one more fp32 shard per unit held through the backward."""
+    plan = plan_post_backward(
+        FlatParamLayout.of([("w", (1000,))], torch.bfloat16),
+        ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 4, 2),
+        mixed_precision=MixedPrecision(reduce_dtype=torch.float32),
+    )
+    free = next(i for i, op in enumerate(plan.ops) if isinstance(op, Free) and op.buffer.name == "shard")
+    ops = list(plan.ops)
+    held = ops.pop(free)
+    leaky = dataclasses.replace(plan, ops=(*ops[:-1], held, ops[-1]))
+    assert check_plan(leaky) == []
+    units = 8
+    for executor, kept in ((Executor.STREAMS, 0), (Executor.CPU_LANE, PLANS_IN_FLIGHT + 1)):
+        good = backward_footprints([plan] * units, executor)
+        bad = backward_footprints([leaky] * units, executor)
+        held_good = list(itertools.accumulate(f.net for f in good))
+        held_bad = list(itertools.accumulate(f.net for f in bad))
+        # on the CPU lane the good plan's shard, still read by the lane, is returned only
+        # PLANS_IN_FLIGHT plans later: that many (and this one) are held either way
+        extra = [2000 * max(0, k + 1 - kept) for k in range(units)]
+        assert [b - g for b, g in zip(held_bad, held_good)] == extra, executor

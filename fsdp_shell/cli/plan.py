@@ -1,10 +1,12 @@
 """``fsdp-plan``: print the post-backward plan for a configuration given on the command line.
 
-Shows the plan, its communication volume, the verifier's verdict and a simulated timeline, or
-one JSON object with ``--json``. With ``--units N`` (N > 1) of a sharded strategy it also shows the
-all-gather schedule of N equal units in a chain, its verdict, and the backward all-gathers in the
-timeline. Exit status: 0 when everything is sound, 1 when a verifier finds a problem, 2 for an
-invalid configuration (one line on stderr).
+Shows the plan, its communication volume, the verifier's verdict, the device memory it holds
+(``fsdp_core.memory.plan_memory``: on device streams for ``--backend nccl``, on the CPU runtime
+for ``gloo``) and a simulated timeline, or one JSON object with ``--json``. With ``--units N``
+(N > 1) of a sharded strategy it also shows the all-gather schedule of N equal units in a
+chain, its verdict, and the backward all-gathers in the timeline. Exit status: 0 when
+everything is sound, 1 when a verifier finds a problem, 2 for an invalid configuration (one
+line on stderr).
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ from fsdp_core import (  # noqa: E402
     comm_volume,
     format_plan,
     format_unshard,
+    op_name,
     plan_post_backward,
     plan_to_json,
     plan_unshard,
     unshard_to_json,
 )
+from fsdp_core.memory import Executor, PlanMemory, plan_memory  # noqa: E402
+from fsdp_core.problems import JsonValue  # noqa: E402
 from fsdp_core.sim import CostModel, describe_cost, format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
 from fsdp_shell.cli.parser import OneLineErrorParser, console_script  # noqa: E402
 
@@ -261,6 +266,49 @@ def _comm_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _executor(args: argparse.Namespace) -> Executor:
+    return Executor.CPU_LANE if args.backend == "gloo" else Executor.STREAMS
+
+
+def _memory(plan: Plan, executor: Executor) -> PlanMemory:
+    """As the runtime holds it: on the CPU a sync hybrid all-reduce gives the all-gathers a
+    group of their own, so the lane issues shard-group reductions too."""
+    return plan_memory(plan, executor, lane_issues_shard=plan.request.hybrid_all_reduce is HybridAllReduce.SYNC)
+
+
+def _memory_table(plan: Plan, executor: Executor) -> str:
+    m = _memory(plan, executor)
+    where = "the CPU runtime (gloo)" if executor is Executor.CPU_LANE else "device streams"
+    at = "at the start" if m.peak_op < 0 else f"during op {m.peak_op} {op_name(plan.ops[m.peak_op])}"
+    return "\n".join(
+        [
+            f"memory on the device, bytes since the plan's start, on {where}:",
+            f"  peak       {m.peak:+,} B ({at})",
+            f"  hook's end {m.after_hook:+,} B ({m.returned_later:,} B of it freed, returned at a later wait)",
+            f"  plan's end {m.end:+,} B",
+            f"  found {m.inputs:,} B of gradients; frees the unsharded parameter ({m.unsharded:,} B); "
+            f"hands off {m.handed_off:,} B",
+        ]
+    )
+
+
+def _memory_json(plan: Plan, executor: Executor) -> dict[str, JsonValue]:
+    m = _memory(plan, executor)
+    return {
+        "executor": executor.value,
+        "after": list[JsonValue](m.after),
+        "peak": m.peak,
+        "peak_op": m.peak_op,
+        "after_hook": m.after_hook,
+        "hook_peak": m.hook_peak,
+        "returned_later": m.returned_later,
+        "end": m.end,
+        "inputs": m.inputs,
+        "unsharded": m.unsharded,
+        "handed_off": m.handed_off,
+    }
+
+
 @console_script("fsdp-plan")
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fsdp-plan``; returns the exit status."""
@@ -282,10 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["unshard"] = None if schedule is None else unshard_to_json(schedule, unshard_problems)
         gather = all_gather_volume(plan.request)
         out["all_gather_bytes"] = None if gather is None else gather.bytes
+        out["memory"] = _memory_json(plan, _executor(args))
         out["timeline"] = timeline_to_json(timeline)
         print(json.dumps(out, indent=2))
     else:
-        parts = [format_plan(plan), _comm_table(plan), _verdict("verifier", problems)]
+        memory = _memory_table(plan, _executor(args))
+        parts = [format_plan(plan), _comm_table(plan), _verdict("verifier", problems), memory]
         if schedule is not None:
             parts += [format_unshard(schedule), _verdict("all-gather schedule", unshard_problems)]
         parts.append(f"{format_timeline(timeline)}\n{describe_cost(CostModel())}")
