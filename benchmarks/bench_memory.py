@@ -1,0 +1,231 @@
+"""Live bytes per rank, ours against PyTorch's FSDP1 in the same world, by phase; and every
+post-backward hook against the memory prediction.
+
+Run on demand: ``python benchmarks/bench_memory.py [--configs NAME,...] [--steps 3]``.
+
+Each configuration trains the same model (an MLP of 6 residual 64-wide layers, or a tiny
+Hugging Face GPT-2 or Llama) with AdamW for ``--steps`` steps, once with ours and once with
+FSDP1, each under its own ``fsdp_shell.memory.LiveBytes`` (exact live tensor-storage bytes;
+everything from the model's construction on is counted). Printed per configuration, worst rank:
+the peak of forward, backward and the optimizer step over all steps, ours / FSDP1, and the bytes
+live after the last step; then how many of our post-backward hooks held exactly what
+``fsdp_core.memory.backward_footprints`` predicts (peak and net bytes of each hook, to the byte).
+
+The figures do not depend on timing on our side (``tests/test_memory_gloo.py``), so one run is
+enough; FSDP1's may vary by a few bytes between runs (gloo's threads free its collectives'
+buffers when they are done with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fsdp_core import Plan, ShardingStrategy
+from fsdp_core.memory import Executor, backward_footprints
+from fsdp_shell import FSDP
+from fsdp_shell.memory import LiveBytes
+from fsdp_shell.runtime.cpu import CpuRuntime
+from fsdp_shell.runtime.interpreter import PlanRun
+from tests.dist_harness import run_world
+
+
+@dataclass(frozen=True)
+class Config:
+    strategy: str
+    model: str = "mlp"
+    orig: bool = False
+    bf16: bool = False
+    accumulate: int = 1
+    offload: bool = False
+
+    @property
+    def world(self) -> int:
+        return 4 if self.strategy.startswith("HYBRID") else 2
+
+
+CONFIGS: dict[str, Config] = {}
+for _strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+    for _orig in (False, True):
+        for _bf16 in (False, True):
+            _name = f"mlp-{_strategy.lower()}{'-orig' if _orig else ''}{'-bf16' if _bf16 else ''}"
+            CONFIGS[_name] = Config(_strategy, orig=_orig, bf16=_bf16)
+CONFIGS["mlp-full_shard-no_sync"] = Config("FULL_SHARD", accumulate=2)
+CONFIGS["mlp-full_shard-bf16-no_sync"] = Config("FULL_SHARD", bf16=True, accumulate=2)
+CONFIGS["mlp-full_shard-offload"] = Config("FULL_SHARD", offload=True)
+for _model in ("gpt2", "llama"):
+    CONFIGS[f"{_model}-full_shard"] = Config("FULL_SHARD", model=_model)
+    CONFIGS[f"{_model}-full_shard-bf16"] = Config("FULL_SHARD", model=_model, bf16=True)
+    CONFIGS[f"{_model}-full_shard-orig-bf16"] = Config("FULL_SHARD", model=_model, orig=True, bf16=True)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.relu(self.lin(x)) + x
+        return out
+
+
+def _net(cfg: Config) -> tuple[nn.Module, type[nn.Module]]:
+    if cfg.model == "mlp":
+        torch.manual_seed(0)
+        return nn.Sequential(*(Layer() for _ in range(6))), Layer
+    from tests.hf_cases import make_model
+
+    return make_model(cfg.model)
+
+
+def _loss(model: nn.Module, cfg: Config, rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    if cfg.model == "mlp":
+        out: torch.Tensor = model(torch.randn(8, 64, generator=gen)).float().square().mean()
+        return out
+    ids = torch.randint(0, 64, (2, 16), generator=gen)
+    loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+    return loss
+
+
+def _wrap(impl: str, cfg: Config) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    net, block = _net(cfg)
+    mesh = None
+    if cfg.strategy.startswith("HYBRID"):
+        mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
+    offload = CPUOffload(offload_params=cfg.offload)
+    if impl == "ours":
+        return FSDP(
+            net,
+            auto_wrap_policy={block},
+            sharding_strategy=ShardingStrategy[cfg.strategy],
+            mixed_precision=precision,
+            use_orig_params=cfg.orig,
+            device_mesh=mesh,
+            cpu_offload=offload,
+        )
+    strategy = TorchStrategy[cfg.strategy.replace("HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")]
+    return TorchFSDP(
+        net,
+        auto_wrap_policy=ModuleWrapPolicy({block}),
+        sharding_strategy=strategy,
+        mixed_precision=precision,
+        use_orig_params=cfg.orig,
+        device_mesh=mesh,
+        cpu_offload=offload,
+        device_id=torch.device("cpu"),
+    )
+
+
+@contextlib.contextmanager
+def _hooks_checked(live: LiveBytes, runtime: CpuRuntime, into: list[bool]) -> Iterator[None]:
+    """Each hook measured in a window of ``live``; at the end compared with the prediction."""
+    original = PlanRun.run_hook_ops
+    runs: dict[str, list[tuple[Plan, int, int]]] = {}
+
+    def measured(run: PlanRun) -> None:
+        with live.window() as w:
+            original(run)
+        runs.setdefault(live.current_phase, []).append((run.plan, w.peak - w.start, w.end - w.start))
+
+    PlanRun.run_hook_ops = measured  # type: ignore[method-assign,assignment]  # benchmark instrumentation, undone below
+    try:
+        yield
+    finally:
+        PlanRun.run_hook_ops = original  # type: ignore[method-assign]  # the original
+    for backward in runs.values():
+        predicted = backward_footprints(
+            [p for p, _, _ in backward], Executor.CPU_LANE, lane_issues_shard=runtime.lane_issues_shard
+        )
+        into += [(peak, net) == (want.peak, want.net) for (_, peak, net), want in zip(backward, predicted, strict=True)]
+
+
+def measure(rank: int, world: int, job: tuple[Config, int]) -> dict[str, dict[str, int]]:
+    """Both implementations' peaks by phase (and, for ours, the hooks matching the prediction)."""
+    cfg, steps = job
+    out: dict[str, dict[str, int]] = {}
+    for impl in ("ours", "fsdp1"):
+        gc.collect()
+        checked: list[bool] = []
+        with LiveBytes() as live:
+            model = _wrap(impl, cfg)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            runtime = getattr(getattr(model, "_tree", None), "runtime", None)
+            watch = (
+                _hooks_checked(live, runtime, checked) if isinstance(runtime, CpuRuntime) else contextlib.nullcontext()
+            )
+            with watch:
+                for step in range(steps):
+                    for micro in range(cfg.accumulate):
+                        sync = micro == cfg.accumulate - 1
+                        with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]  # both wrappers have no_sync
+                            with live.phase("forward"):
+                                loss = _loss(model, cfg, rank, step)
+                            with live.phase(f"backward {step}.{micro}"):
+                                torch.autograd.backward(loss)
+                            del loss
+                    with live.phase("optimizer"):
+                        opt.step()
+                        opt.zero_grad()
+            backward = max(v for k, v in live.peaks.items() if k.startswith("backward"))
+            out[impl] = {
+                "forward": live.peaks["forward"],
+                "backward": backward,
+                "optimizer": live.peaks["optimizer"],
+                "after": live.current,
+                "hooks": len(checked),
+                "hooks_exact": sum(checked),
+            }
+            del model, opt
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    print(f"{'configuration':<34} {'forward':>8} {'backward':>8} {'optim':>8} {'after':>8}  hooks exact")
+    print(f"{'':<34} {'ours / FSDP1 (worst rank)':>35}")
+    worst: dict[str, float] = {}
+    for name in names:
+        cfg = CONFIGS[name]
+        ranks = run_world(cfg.world, measure, (cfg, args.steps), timeout=600)
+        ratios = {
+            k: max(r["ours"][k] / r["fsdp1"][k] for r in ranks) for k in ("forward", "backward", "optimizer", "after")
+        }
+        for k, v in ratios.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+        hooks = sum(r["ours"]["hooks"] for r in ranks)
+        exact = sum(r["ours"]["hooks_exact"] for r in ranks)
+        print(
+            f"{name:<34} {ratios['forward']:>8.3f} {ratios['backward']:>8.3f} {ratios['optimizer']:>8.3f} "
+            f"{ratios['after']:>8.3f}  {exact}/{hooks}",
+            flush=True,
+        )
+    print("worst: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
+
+
+if __name__ == "__main__":
+    main()
