@@ -13,12 +13,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_core import CPUOffload, MixedPrecision, Plan, ShardingStrategy
-from fsdp_core.memory import Executor, backward_footprints
+from fsdp_core import CPUOffload, Event, HookEvent, MixedPrecision, Plan, ShardingStrategy
+from fsdp_core.memory import Executor, GatherBytes, backward_footprints, gather_bytes, unshard_footprints
 from fsdp_shell import FSDP
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.runtime.cpu import CpuRuntime
 from fsdp_shell.runtime.interpreter import PlanRun
+from fsdp_shell.units.unshard import UnshardRunner
 from tests.runtime_cases import slow_links
 
 WIDTH = 64
@@ -75,8 +76,10 @@ class Measured:
     most_plans_in_flight: int
     plans: list[tuple[str, int, int, int, int]]
     """Every post-backward plan's hook ops as run: the plan's kind, and measured against
-    ``plan_memory``'s prediction the peak (measured, predicted) and the bytes at the end
+    ``backward_footprints``' prediction the peak (measured, predicted) and the bytes at the end
     (measured, predicted), each relative to the hook's start."""
+    gathers: list[tuple[str, int, int, int, int]]
+    """The same for every hook's all-gather actions, against ``unshard_footprints``."""
 
 
 @contextlib.contextmanager
@@ -105,6 +108,40 @@ def _measuring_plans(
         for (plan, peak, net), want in zip(backward, predicted, strict=True):
             flags = plan.request.flags
             into.append((f"sync={flags.sync_gradients} accumulate={flags.accumulate}", peak, want.peak, net, want.net))
+
+
+@contextlib.contextmanager
+def _measuring_gathers(live: LiveBytes, model: FSDP, into: list[tuple[str, int, int, int, int]]) -> Iterator[None]:
+    """For the block: each hook's all-gather actions (``UnshardRunner.run``) measured in a
+    ``live`` window; at the end, those of the iterations that ran the planned schedule beside
+    ``unshard_footprints`` of one iteration (the same in every such iteration)."""
+    tree = model._tree
+    runner = tree.unshard
+    run = UnshardRunner.run
+    runs: list[list[tuple[HookEvent, int, int]]] = []
+
+    def measured(self: UnshardRunner, event: Event, unit: int) -> None:
+        planned = self is runner and not self._recording
+        with live.window() as w:
+            run(self, event, unit)
+        if planned:
+            backward = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
+            if not runs or (event not in backward and runs[-1] and runs[-1][-1][0].event in backward):
+                runs.append([])
+            runs[-1].append((HookEvent(event, unit), w.peak - w.start, w.end - w.start))
+
+    UnshardRunner.run = measured  # type: ignore[method-assign]  # test-only instrumentation, undone below
+    try:
+        yield
+    finally:
+        UnshardRunner.run = run  # type: ignore[method-assign]  # the original
+    units = [GatherBytes(0) if h is None else gather_bytes(h.request) for h in tree.handles]
+    reshard = [h is not None and h.request.should_free_in_backward for h in tree.handles]
+    predicted = {f.event: f for f in unshard_footprints(runner.schedule, units, reshard)}
+    for iteration in runs:
+        for event, peak, net in iteration:
+            want = predicted[event]
+            into.append((f"{event.event.value} {event.unit}", peak, want.peak, net, want.net))
 
 
 @contextlib.contextmanager
@@ -139,9 +176,11 @@ def _train(rank: int, world: int, case: MemoryCase) -> Measured:
         runtime = model._tree.runtime
         assert isinstance(runtime, CpuRuntime)
         plans: list[tuple[str, int, int, int, int]] = []
-        with _measuring_plans(live, runtime, plans):
+        gathers: list[tuple[str, int, int, int, int]] = []
+        with _measuring_plans(live, runtime, plans), _measuring_gathers(live, model, gathers):
             _steps(model, opt, live, case, rank)
-        measured = Measured({k: v for k, v in live.peaks.items() if k != "other"}, runtime.most_plans_in_flight, plans)
+        peaks = {k: v for k, v in live.peaks.items() if k != "other"}
+        measured = Measured(peaks, runtime.most_plans_in_flight, plans, gathers)
         del model, opt
     return measured
 

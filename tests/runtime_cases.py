@@ -517,8 +517,8 @@ def operand_free_gathers(rank: int, world: int, arg: None) -> OperandFree:
     runtime = stripped._tree.runtime
     gather = runtime.all_gather
 
-    def without_operands(out: torch.Tensor, src: torch.Tensor, *, src_dies: bool) -> Pending | None:
-        issued = gather(out, src, src_dies=src_dies)
+    def without_operands(out: torch.Tensor, src: torch.Tensor) -> Pending | None:
+        issued = gather(out, src)
         if issued is None:
             return None
         seen.stripped += 1

@@ -49,9 +49,9 @@ class LoggingRuntime(AcceleratorRuntime[CheckedStream, CheckedEvent]):
         self.events.append(("free", self._frees))
         return _Logged(super().free_marker(), self._frees, self.events)
 
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor, *, src_dies: bool) -> Pending | None:
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         self.events.append(("gather", 0))
-        return super().all_gather(out, src, src_dies=src_dies)
+        return super().all_gather(out, src)
 
 
 def _model() -> nn.Module:

@@ -137,9 +137,12 @@ class PlanRequest:
     def should_free_in_backward(self) -> bool:
         """FSDP1's ``_should_free_in_backward``: sharded strategies free the unsharded parameter in
         the post-backward, except ZeRO-2 strategies inside ``no_sync``, which keep it to avoid
-        all-gathering again in the next accumulation step."""
+        all-gathering again in the next accumulation step. ``NO_SHARD`` with a compute dtype of
+        its own frees its low-precision copy in every post-backward (FSDP1's ``post_reshard``)."""
         strategy = self.sharding.strategy
-        return strategy.is_sharded and self.reshards_after_backward
+        if not strategy.is_sharded:
+            return self.compute_dtype != self.layout.dtype
+        return self.reshards_after_backward
 
     @property
     def reshards_after_backward(self) -> bool:

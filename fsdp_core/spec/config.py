@@ -75,6 +75,12 @@ class ShardingStrategy(enum.Enum):
         strategies keep it from forward to backward."""
         return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
+    def reshards_after_forward_with(self, low_precision: bool) -> bool:
+        """``reshards_after_forward``, and for ``NO_SHARD`` whether its parameters are cast to a
+        compute dtype of their own (``low_precision``): FSDP1 frees that copy at every reshard
+        (``post_reshard``), so it is cast again for backward."""
+        return self.reshards_after_forward or (low_precision and not self.is_sharded)
+
     def reshards_after_backward(self, sync_gradients: bool) -> bool:
         """Whether the unsharded parameter is freed by the end of a backward: always when
         gradients are synchronised; inside ``no_sync`` only by strategies that reshard after

@@ -239,7 +239,9 @@ def unshard_from_args(args: argparse.Namespace, plan: Plan) -> UnshardSchedule |
     return plan_unshard(
         UnshardRequest.chain(
             args.units,
-            reshard_after_forward=strategy.reshards_after_forward,
+            reshard_after_forward=strategy.reshards_after_forward_with(
+                plan.request.compute_dtype != plan.request.layout.dtype
+            ),
             reshard_after_backward=plan.should_free_in_backward,
             backward_prefetch=prefetch,
             forward_prefetch=args.forward_prefetch,

@@ -246,7 +246,7 @@ class AcceleratorRuntime(Generic[S, E]):
     def free_marker(self) -> Waitable:
         return _HostWait(self._device, self._device.record_event(self._device.current_stream()))
 
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor, *, src_dies: bool) -> Pending | None:
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         device = self._device
         gather = self.streams[Stream.ALL_GATHER]
         device.wait_stream(gather, device.current_stream())

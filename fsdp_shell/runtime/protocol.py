@@ -132,7 +132,7 @@ class Runtime(Protocol):
         until that work has run, so memory freed before the call is free on the device
         (``limit_all_gathers``). Already reached where the host runs the compute itself."""
 
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor, *, src_dies: bool) -> Pending | None:
+    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         """Issue the all-gather of every shard-group rank's ``src`` into ``out`` (a unit's
-        unsharded flat parameter); None when it has landed already. ``src_dies``: ``src`` is a
-        copy made for the gather, whose memory goes back once it has landed (at the wait)."""
+        unsharded flat parameter); None when it has landed already. ``src`` may be ``out``'s own
+        chunk (an in-place all-gather)."""

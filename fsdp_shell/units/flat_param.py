@@ -301,7 +301,10 @@ class FlatParamHandle:
 
     def start_unshard(self) -> bool:
         """Issue the all-gather of the flat parameter in the compute dtype, asynchronously where
-        the backend allows; a no-op when gathered or in flight. Returns whether one was issued."""
+        the backend allows; a no-op when gathered or in flight. Returns whether one was issued.
+        A shard in another dtype or on another device is cast into its own slot of the gathered
+        memory, which the all-gather then fills in place: no copy of the shard is held while it
+        is in flight."""
         if self._state is not _Gathered.SHARDED:
             return False
         if not self._gathers_in_place:
@@ -311,12 +314,14 @@ class FlatParamHandle:
         self._limiter.before_gather()
         _alloc_storage(self._gathered)
         with torch.no_grad():
-            src = self.local.to(device=self.device, dtype=self.compute_dtype, non_blocking=True)
-            if self.is_sharded:
-                copied = src.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
-                self._pending_gather = self._runtime.all_gather(self._gathered, src, src_dies=copied)
+            if not self.is_sharded:
+                self._gathered.copy_(self.local, non_blocking=True)
+            elif self.local.dtype == self.compute_dtype and self.local.device == self.device:
+                self._pending_gather = self._runtime.all_gather(self._gathered, self.local)
             else:
-                self._gathered.copy_(src)
+                mine = self._gathered.narrow(0, self.sharding.rank * self.shard_numel, self.shard_numel)
+                mine.copy_(self.local, non_blocking=True)
+                self._pending_gather = self._runtime.all_gather(self._gathered, mine)
         self._state = _Gathered.IN_FLIGHT
         return True
 
