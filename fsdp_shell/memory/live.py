@@ -52,7 +52,9 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
         self._phase = _OTHER
         self._sizes: dict[int, int] = {}
         """By ``id`` of a live storage: the bytes counted for it."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant: the garbage collector may run a storage's finalizer (``_died``) on this
+        thread while ``resized`` holds it."""
         self._unpatch: Callable[[], None] | None = None
         self._windows: list[Window] = []
 
