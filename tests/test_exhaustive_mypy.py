@@ -46,6 +46,7 @@ ACTION_CONSUMERS = {
     ("fsdp_core/sim/timeline.py", "hook_actions"),
     ("fsdp_shell/units/unshard.py", "run"),
     ("fsdp_core/sim/iteration.py", "hook"),
+    ("fsdp_core/memory/unshard_memory.py", "run"),
 }
 """Every consumer of ``UnshardAction``."""
 
@@ -60,6 +61,7 @@ OP_CONSUMERS_AT_LEAST = {
     ("fsdp_core/plan/verifier.py", "step"),
     ("fsdp_shell/runtime/interpreter.py", "_step"),
     ("fsdp_shell/runtime/reference_interpreter.py", "_execute"),
+    ("fsdp_core/memory/plan_memory.py", "step"),
 }
 """The consumers of ``Op`` this change made exhaustive; the source may hold more."""
 
