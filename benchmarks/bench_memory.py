@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import gc
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +31,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_core import Plan, ShardingStrategy
-from fsdp_core.memory import Executor, backward_footprints
+from fsdp_core import ShardingStrategy
 from fsdp_shell import FSDP
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.runtime.cpu import CpuRuntime
-from fsdp_shell.runtime.interpreter import PlanRun
 from tests.dist_harness import run_world
+from tests.memory_cases import measuring_plans
 
 
 @dataclass(frozen=True)
@@ -135,44 +133,18 @@ def _wrap(impl: str, cfg: Config) -> nn.Module:
     )
 
 
-@contextlib.contextmanager
-def _hooks_checked(live: LiveBytes, runtime: CpuRuntime, into: list[bool]) -> Iterator[None]:
-    """Each hook measured in a window of ``live``; at the end compared with the prediction."""
-    original = PlanRun.run_hook_ops
-    runs: dict[str, list[tuple[Plan, int, int]]] = {}
-
-    def measured(run: PlanRun) -> None:
-        with live.window() as w:
-            original(run)
-        runs.setdefault(live.current_phase, []).append((run.plan, w.peak - w.start, w.end - w.start))
-
-    PlanRun.run_hook_ops = measured  # type: ignore[method-assign,assignment]  # benchmark instrumentation, undone below
-    try:
-        yield
-    finally:
-        PlanRun.run_hook_ops = original  # type: ignore[method-assign]  # the original
-    for backward in runs.values():
-        predicted = backward_footprints(
-            [p for p, _, _ in backward], Executor.CPU_LANE, lane_issues_shard=runtime.lane_issues_shard
-        )
-        into += [(peak, net) == (want.peak, want.net) for (_, peak, net), want in zip(backward, predicted, strict=True)]
-
-
 def measure(rank: int, world: int, job: tuple[Config, int]) -> dict[str, dict[str, int]]:
     """Both implementations' peaks by phase (and, for ours, the hooks matching the prediction)."""
     cfg, steps = job
     out: dict[str, dict[str, int]] = {}
     for impl in ("ours", "fsdp1") if not cfg.offload else ("ours",):
         gc.collect()
-        checked: list[bool] = []
+        hooks: list[tuple[str, int, int, int, int]] = []
         with LiveBytes() as live:
             model = _wrap(impl, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             runtime = getattr(getattr(model, "_tree", None), "runtime", None)
-            watch = (
-                _hooks_checked(live, runtime, checked) if isinstance(runtime, CpuRuntime) else contextlib.nullcontext()
-            )
-            with watch:
+            with measuring_plans(live, runtime, hooks) if isinstance(runtime, CpuRuntime) else contextlib.nullcontext():
                 for step in range(steps):
                     for micro in range(cfg.accumulate):
                         sync = micro == cfg.accumulate - 1
@@ -191,8 +163,8 @@ def measure(rank: int, world: int, job: tuple[Config, int]) -> dict[str, dict[st
                 "backward": backward,
                 "optimizer": live.peaks["optimizer"],
                 "after": live.current,
-                "hooks": len(checked),
-                "hooks_exact": sum(checked),
+                "hooks": len(hooks),
+                "hooks_exact": sum((peak, net) == (want_peak, want_net) for _, peak, want_peak, net, want_net in hooks),
             }
             del model, opt
     return out

@@ -83,9 +83,7 @@ class Measured:
 
 
 @contextlib.contextmanager
-def _measuring_plans(
-    live: LiveBytes, runtime: CpuRuntime, into: list[tuple[str, int, int, int, int]]
-) -> Iterator[None]:
+def measuring_plans(live: LiveBytes, runtime: CpuRuntime, into: list[tuple[str, int, int, int, int]]) -> Iterator[None]:
     """For the block: each plan's hook ops measured in a ``live`` window; at the end, beside
     ``backward_footprints`` of the plans of each backward (one per phase of ``live``)."""
     run_hook_ops = PlanRun.run_hook_ops
@@ -177,7 +175,7 @@ def _train(rank: int, world: int, case: MemoryCase) -> Measured:
         assert isinstance(runtime, CpuRuntime)
         plans: list[tuple[str, int, int, int, int]] = []
         gathers: list[tuple[str, int, int, int, int]] = []
-        with _measuring_plans(live, runtime, plans), _measuring_gathers(live, model, gathers):
+        with measuring_plans(live, runtime, plans), _measuring_gathers(live, model, gathers):
             _steps(model, opt, live, case, rank)
         peaks = {k: v for k, v in live.peaks.items() if k != "other"}
         measured = Measured(peaks, runtime.most_plans_in_flight, plans, gathers)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 
 import torch
@@ -91,15 +91,6 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
     def current_phase(self) -> str:
         """The phase counted now (``"other"`` outside any)."""
         return self._phase
-
-    @property
-    def storages(self) -> int:
-        """How many storages are counted now."""
-        return len(self._sizes)
-
-    def snapshot(self) -> Mapping[str, int]:
-        """``current``, ``peak`` and every phase's peak, as one mapping."""
-        return {"current": self.current, "peak": self.peak, **{f"peak:{k}": v for k, v in self.peaks.items()}}
 
     # -- the mode ------------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ _REACHED = _Reached()
 class Lane:
     """One FIFO worker thread that runs, in submission order, CPU work waiting for collectives.
 
-    ``submit`` returns a ticket; ``done(ticket)`` says whether that work has run. ``drain``
+    ``submit`` returns a ticket; ``wait_through(ticket)`` blocks until that work has run. ``drain``
     blocks until everything submitted has run and re-raises the first failure; after a failure
     the rest of the queue is skipped, so nothing runs on a half-reduced gradient."""
 
@@ -92,10 +92,6 @@ class Lane:
         self._submitted += 1
         self._queue.put(work)
         return self._submitted
-
-    def done(self, ticket: int) -> bool:
-        """Whether the work with ``ticket`` has run (or been skipped after a failure)."""
-        return self._done >= ticket
 
     def wait_through(self, ticket: int) -> None:
         """Block until the work with ``ticket`` and everything before it has run (or been
