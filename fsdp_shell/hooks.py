@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fsdp_core import Event, HookEvent, step_flags
+from fsdp_core import Event, HookEvent, MixedPrecision, step_flags
 from fsdp_shell.runtime.interpreter import PlanRun
 from fsdp_shell.runtime.log import Phase
 from fsdp_shell.safety.agreement import RankMismatchError, check_agreement, check_same_events
@@ -42,12 +42,14 @@ from fsdp_shell.tree import IterationState, Tree
 
 __all__ = [
     "abandon_backward",
+    "cast_inputs",
     "end_of_backward",
     "forward",
     "install",
     "post_backward",
     "pre_backward",
     "run_virtually",
+    "tensors_in",
 ]
 
 
@@ -123,7 +125,7 @@ def _after_forward(tree: Tree, unit: int, out: Any, grad_on: bool) -> Any:
                 else:
                     h.free_unsharded()
     if grad_on:
-        for t in _tensors_in(out):
+        for t in tensors_in(out):
             if t.requires_grad:
                 t.register_hook(functools.partial(pre_backward, tree, unit))  # type: ignore[no-untyped-call]  # unannotated in torch
     return out
@@ -147,13 +149,20 @@ def _begin_iteration(tree: Tree, grad_on: bool) -> None:
 def _cast_inputs(
     tree: Tree, unit: int, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return cast_inputs(
+        tree.options.mixed_precision, args, kwargs, has_params=tree.handles[unit] is not None, is_root=unit == tree.root
+    )
+
+
+def cast_inputs(
+    mp: MixedPrecision, args: tuple[Any, ...], kwargs: dict[str, Any], *, has_params: bool, is_root: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """FSDP1's input casts: a unit with parameters casts its floating-point inputs to
     ``param_dtype`` with ``cast_forward_inputs``, the root with ``cast_root_forward_inputs``
     (the default) too."""
-    mp = tree.options.mixed_precision
     low = mp.param_dtype
-    cast = mp.cast_forward_inputs and tree.handles[unit] is not None
-    if unit == tree.root:
+    cast = mp.cast_forward_inputs and has_params
+    if is_root:
         cast = cast or mp.cast_root_forward_inputs
     if low is None or not cast:
         return args, kwargs
@@ -351,7 +360,7 @@ def _waiting(tree: Tree, unit: int, step: str) -> Iterator[None]:
         yield
 
 
-def _tensors_in(out: object) -> Iterator[torch.Tensor]:
+def tensors_in(out: object) -> Iterator[torch.Tensor]:
     """The tensors in a forward's output, as FSDP1's ``_apply_to_tensors`` finds them: pytree
     containers (tuples, lists, dicts, namedtuples, Hugging Face ``ModelOutput``) and dataclasses."""
     seen: set[int] = set()

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
+from fsdp_core.memory.allocator import EXACT, Allocator
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
@@ -56,10 +57,12 @@ from fsdp_core.spec.division import ReduceKind
 
 __all__ = [
     "GLOO_ALL_TO_ALL_MAX_BYTES",
+    "BackwardMemory",
     "Executor",
     "HookFootprint",
     "PlanMemory",
     "backward_footprints",
+    "backward_memory",
     "plan_memory",
     "unsharded_param_bytes",
 ]
@@ -108,13 +111,13 @@ class PlanMemory:
     handed_off: int
 
 
-def unsharded_param_bytes(request: PlanRequest) -> int:
+def unsharded_param_bytes(request: PlanRequest, allocator: Allocator = EXACT) -> int:
     """Bytes of the unit's unsharded flat parameter that a reshard frees: the padded flat
     parameter in the compute dtype, where it is gathered into memory of its own (sharded, a
     compute dtype of its own, or offloaded); 0 where the unsharded parameter is the local one."""
     compute = request.compute_dtype
     own = request.sharding.strategy.is_sharded or compute != request.layout.dtype or request.offload.offload_params
-    return request.sharding.padded_numel(request.layout) * compute.itemsize if own else 0
+    return allocator.size(request.sharding.padded_numel(request.layout) * compute.itemsize) if own else 0
 
 
 def plan_memory(
@@ -124,13 +127,15 @@ def plan_memory(
     lane_issues_shard: bool = False,
     behind: frozenset[Stream | Group] = frozenset(),
     earlier_deferred: int = 0,
+    allocator: Allocator = EXACT,
 ) -> PlanMemory:
-    """The plan's bytes op by op under ``executor``. ``lane_issues_shard``: the CPU lane issues
-    shard-group collectives too when behind (the all-gathers have a group of their own).
+    """The plan's bytes op by op under ``executor``, each buffer as ``allocator`` sizes it.
+    ``lane_issues_shard``: the CPU lane issues shard-group collectives too when behind (the
+    all-gathers have a group of their own).
     ``behind``: the streams and groups with lane work of earlier plans the host has not waited
     for when this plan starts; ``earlier_deferred``: bytes earlier plans freed that are still to
     be returned (a wait for the whole lane inside this plan returns them, counted here)."""
-    walk = _Walk(plan.ops, executor, lane_issues_shard, unsharded_param_bytes(plan.request))
+    walk = _Walk(plan.ops, executor, lane_issues_shard, unsharded_param_bytes(plan.request, allocator), allocator)
     walk.lane_streams.update(behind)
     walk.earlier_deferred = earlier_deferred
     hook_ops = len(plan.hook_ops)
@@ -162,8 +167,11 @@ def plan_memory(
 class _Walk:
     """The plan's buffers as the runtime holds them, one op at a time."""
 
-    def __init__(self, ops: tuple[Op, ...], executor: Executor, lane_issues_shard: bool, unsharded: int) -> None:
+    def __init__(
+        self, ops: tuple[Op, ...], executor: Executor, lane_issues_shard: bool, unsharded: int, allocator: Allocator
+    ) -> None:
         self.ops = ops
+        self.allocator = allocator
         self.unsharded = unsharded
         self.unsharded_freed = 0
         self.earlier_deferred = 0
@@ -188,9 +196,15 @@ class _Walk:
 
     # -- accounting ----------------------------------------------------------------------------
 
+    def _bytes(self, b: Buffer) -> int:
+        """``b``'s bytes on the compute device: host buffers count where the host is the device."""
+        if b.device is Device.HOST and self.executor is not Executor.CPU_LANE:
+            return 0
+        return self.allocator.size(b.nbytes)
+
     @property
     def deferred_bytes(self) -> int:
-        return sum(_device_bytes(b, self.executor) for b in self.deferred)
+        return sum(self._bytes(b) for b in self.deferred)
 
     def _note(self, index: int, extra: int = 0) -> None:
         if self.live + extra > self.peak:
@@ -199,7 +213,7 @@ class _Walk:
     def _bind(self, b: Buffer) -> None:
         if b.name not in self.held:
             self.held[b.name] = b
-            self.live += _device_bytes(b, self.executor)
+            self.live += self._bytes(b)
 
     def _memory_of(self, name: str) -> str:
         return self.alias.get(name, name)
@@ -223,7 +237,7 @@ class _Walk:
         if self.executor is Executor.CPU_LANE and name in self.lane_buffers:
             self.deferred.append(held)
             return
-        self.live -= _device_bytes(held, self.executor)
+        self.live -= self._bytes(held)
 
     def end_hook(self) -> None:
         """The hook ops are done: what the lane holds now is the next plan's ``behind``."""
@@ -236,7 +250,7 @@ class _Walk:
         self.live -= self.earlier_deferred
         self.earlier_deferred = 0
         for b in self.deferred:
-            self.live -= _device_bytes(b, self.executor)
+            self.live -= self._bytes(b)
         self.deferred = []
         self.lane_streams.clear()
         self.lane_buffers.clear()
@@ -279,7 +293,7 @@ class _Walk:
         match op:
             case Input():
                 self.held.setdefault(op.buffer.name, op.buffer)
-                self.inputs += _device_bytes(op.buffer, self.executor)
+                self.inputs += self._bytes(op.buffer)
             case FreeUnshardedParam():
                 self.live -= self.unsharded
                 self.unsharded_freed += self.unsharded
@@ -323,7 +337,7 @@ class _Walk:
                 self._on_host(buffers_of(op))
                 memory = self.held.get(self._memory_of(op.buffer.name))
                 if memory is not None:
-                    self.handed_off += _device_bytes(memory, self.executor)
+                    self.handed_off += self._bytes(memory)
             case _:
                 assert_never(op)
         self._note(index)
@@ -348,13 +362,6 @@ class _Walk:
         return False
 
 
-def _device_bytes(b: Buffer, executor: Executor) -> int:
-    """``b``'s bytes on the compute device: host buffers count where the host is the device."""
-    if b.device is Device.HOST and executor is not Executor.CPU_LANE:
-        return 0
-    return b.nbytes
-
-
 @dataclass(frozen=True, slots=True)
 class HookFootprint:
     """One plan's post-backward hook within a backward: what it holds (``memory``, from its own
@@ -368,13 +375,24 @@ class HookFootprint:
     net: int
 
 
-def backward_footprints(
-    plans: Sequence[Plan], executor: Executor, *, lane_issues_shard: bool = False
-) -> tuple[HookFootprint, ...]:
+@dataclass(frozen=True, slots=True)
+class BackwardMemory:
+    """The post-backward plans of one backward: each hook's footprint, in the order they ran,
+    and ``returned_at_end``: the bytes they freed that come back only at the end of backward
+    (the host's wait for the whole lane; 0 on a device's streams)."""
+
+    hooks: tuple[HookFootprint, ...]
+    returned_at_end: int
+
+
+def backward_memory(
+    plans: Sequence[Plan], executor: Executor, *, lane_issues_shard: bool = False, allocator: Allocator = EXACT
+) -> BackwardMemory:
     """The post-backward hooks of one backward, in the order they run: each plan walked with
     the lane as the earlier ones leave it (``Runtime.begin_plan``: at a plan's start the host
     waits for the lane work of plans more than ``PLANS_IN_FLIGHT`` back and returns what they
-    freed). On a device's streams nothing carries over."""
+    freed). On a device's streams nothing carries over. The ops deferred to the end of backward
+    allocate and free nothing; there the host waits for the lane, returning what is left."""
     out: list[HookFootprint] = []
     pending: list[int] = []
     """Per earlier plan (by index), the bytes it freed that are not returned yet."""
@@ -388,10 +406,22 @@ def backward_footprints(
             for earlier in out[max(0, j - PLANS_IN_FLIGHT) :]:
                 behind |= earlier.memory.lane_keys
         m = plan_memory(
-            plan, executor, lane_issues_shard=lane_issues_shard, behind=behind, earlier_deferred=sum(pending)
+            plan,
+            executor,
+            lane_issues_shard=lane_issues_shard,
+            behind=behind,
+            earlier_deferred=sum(pending),
+            allocator=allocator,
         )
         if m.drained:
             pending = [0] * len(pending)
         pending.append(m.returned_later)
         out.append(HookFootprint(m, returned, max(0, m.hook_peak - returned), m.after_hook - returned))
-    return tuple(out)
+    return BackwardMemory(tuple(out), sum(pending))
+
+
+def backward_footprints(
+    plans: Sequence[Plan], executor: Executor, *, lane_issues_shard: bool = False, allocator: Allocator = EXACT
+) -> tuple[HookFootprint, ...]:
+    """``backward_memory``'s hooks."""
+    return backward_memory(plans, executor, lane_issues_shard=lane_issues_shard, allocator=allocator).hooks

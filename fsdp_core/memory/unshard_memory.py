@@ -19,12 +19,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
+from fsdp_core.memory.allocator import EXACT, Allocator
 from fsdp_core.memory.plan_memory import unsharded_param_bytes
 from fsdp_core.plan.request import PlanRequest
 from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardAction, UnshardSchedule
 
-__all__ = ["GLOO_ASYNC_GATHER_MAX_BYTES", "GatherBytes", "UnshardFootprint", "gather_bytes", "unshard_footprints"]
+__all__ = [
+    "GLOO_ASYNC_GATHER_MAX_BYTES",
+    "GatherBytes",
+    "GatherWalk",
+    "UnshardFootprint",
+    "gather_bytes",
+    "unshard_footprints",
+]
 
 GLOO_ASYNC_GATHER_MAX_BYTES = 4 << 20
 """On the CPU, all-gathers with outputs up to this size stay in flight while the host goes on
@@ -39,9 +47,9 @@ class GatherBytes:
     unsharded: int
 
 
-def gather_bytes(request: PlanRequest) -> GatherBytes:
+def gather_bytes(request: PlanRequest, allocator: Allocator = EXACT) -> GatherBytes:
     """``request``'s unit as the runtimes gather it."""
-    return GatherBytes(unsharded_param_bytes(request))
+    return GatherBytes(unsharded_param_bytes(request, allocator))
 
 
 class _State(enum.Enum):
@@ -66,28 +74,36 @@ def unshard_footprints(
     unit ``u``'s gather bytes (``gather_bytes``); ``plans_reshard[u]``: whether its
     post-backward plan frees its unsharded parameter (``Plan.should_free_in_backward``). Starts
     with every unit sharded."""
-    walk = _Walk(units)
+    walk = GatherWalk(units)
     out: list[UnshardFootprint] = []
     for event in schedule.request.events:
         if event.event is Event.POST_BACKWARD and plans_reshard[event.unit]:
             walk.resharded(event.unit)
-        start = walk.live
-        walk.peak = start
-        for action in schedule.actions(event.event, event.unit):
-            walk.run(action)
-        out.append(UnshardFootprint(event, walk.peak - start, walk.live - start))
+        peak, net = walk.run_all(schedule.actions(event.event, event.unit))
+        out.append(UnshardFootprint(event, peak, net))
     if schedule.request.reshard_after_backward:
         for unit in range(len(units)):
             walk.run(Reshard(unit=unit))
     return tuple(out)
 
 
-class _Walk:
+class GatherWalk:
+    """Every unit's unsharded parameter as the shell's ``UnshardRunner`` and ``FlatParamHandle``
+    hold it, one action at a time, from every unit sharded: ``live`` is the bytes they hold now,
+    ``peak`` the highest since the last ``run_all``'s start (or since construction)."""
+
     def __init__(self, units: Sequence[GatherBytes]) -> None:
         self.units = units
         self.state = [_State.SHARDED] * len(units)
         self.live = 0
         self.peak = 0
+
+    def run_all(self, actions: Sequence[UnshardAction]) -> tuple[int, int]:
+        """Run ``actions`` in order; their peak and net bytes, relative to just before."""
+        start = self.peak = self.live
+        for action in actions:
+            self.run(action)
+        return self.peak - start, self.live - start
 
     def _add(self, nbytes: int) -> None:
         self.live += nbytes

@@ -10,7 +10,11 @@ taken after every op. What it does not see: storages made by threads that never 
 
 Phases are names the caller gives (``with live.phase("backward"):``); each keeps its own peak,
 and time outside any named phase is counted under ``"other"``. Storages on other devices than
-``device`` (``meta`` ones, say) are ignored. One mode per thread at a time; not re-entrant.
+``device`` (``meta`` ones, say) are not counted, nor those of tensors given to ``ignore``. Under
+``FakeTensorMode`` every fake tensor's storage is a ``meta`` one: ``LiveBytes("meta")`` inside the
+fake mode counts what the same program would hold for real, with no memory behind it. With
+``block`` each storage counts as a multiple of that many bytes (512: CUDA's caching allocator;
+an empty storage counts 0). One mode per thread at a time; not re-entrant.
 """
 
 from __future__ import annotations
@@ -43,9 +47,14 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
     """Live tensor-storage bytes on ``device`` (module docstring). ``current``: now; ``peak``:
     the highest since entry; ``peaks``: the highest in each phase."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, block: int = 1) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode is unannotated in torch
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"block: expected an int >= 1 (bytes), got {block!r}")
         self.device = torch.device(device)
+        self.block = block
+        self._ignored: set[int] = set()
+        """``id`` of every storage never counted (``ignore``)."""
         self.current = 0
         self.peak = 0
         self.peaks: dict[str, int] = {}
@@ -73,13 +82,28 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
     @contextlib.contextmanager
     def window(self) -> Iterator[Window]:
         """The block's own figures: live bytes at its start and end, and its peak."""
-        w = Window(self.current)
-        self._windows.append(w)
+        w = self.open_window()
         try:
             yield w
         finally:
-            self._windows.remove(w)
-            w.end = self.current
+            self.close_window(w)
+
+    def open_window(self) -> Window:
+        """A window from now until ``close_window`` (``window`` for a block)."""
+        w = Window(self.current)
+        self._windows.append(w)
+        return w
+
+    def close_window(self, w: Window) -> None:
+        """End ``w``: its ``end`` is now, its ``peak`` the highest since it was opened."""
+        self._windows.remove(w)
+        w.end = self.current
+
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count ``tensors``' storages (made before the mode was entered, and kept alive by
+        the caller while it is active)."""
+        for t in tensors:
+            self._ignored.add(id(t.untyped_storage()))
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count ``tensors``' storages too (made before the mode was entered)."""
@@ -122,8 +146,6 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _see(self, t: torch.Tensor) -> None:
-        if t.device != self.device or t.is_meta:
-            return
         try:
             storage = t.untyped_storage()
         except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, subclasses)
@@ -135,7 +157,9 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
         if storage.device != self.device:
             return
         key = id(storage)
-        nbytes = storage.nbytes()
+        if key in self._ignored:
+            return
+        nbytes = -(-storage.nbytes() // self.block) * self.block
         with self._lock:
             before = self._sizes.get(key)
             if before is None:

@@ -2,10 +2,12 @@
 
 ``find_units`` lists the units bottom-up, as FSDP1 wraps them: every submodule the wrap policy
 selects that holds parameters, after its own descendants, siblings in registration order, and
-the root last. ``build_handles`` then flattens, in that order, the parameters each unit's module
-owns outside nested units into one ``FlatParamHandle``; a parameter another unit has already
-flattened is refused (FSDP1 too needs every use of a shared parameter inside the unit that
-flattens it).
+the root last. ``unit_params`` then takes, in that order, the parameters each unit's module
+owns outside nested units; a parameter another unit has already taken is refused (FSDP1 too
+needs every use of a shared parameter inside the unit that flattens it). ``unit_request`` lays
+them out as one flat parameter and gives the unit's plan request, and ``build_handles`` makes a
+``FlatParamHandle`` of each (the prediction of ``fsdp_shell.predict`` uses the same three, with
+no process group).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.flat_param import FlatParamHandle, OrigParam
 from fsdp_shell.units.gather_limit import GatherLimiter
 
-__all__ = ["UnitSite", "build_handles", "find_units", "param_names"]
+__all__ = ["OwnedParams", "UnitSite", "build_handles", "find_units", "param_names", "unit_params", "unit_request"]
+
+OwnedParams = list[tuple[OrigParam, nn.Parameter]]
+"""The parameters one unit flattens, each with where it is registered."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -99,6 +104,20 @@ def param_names(module: nn.Module) -> dict[int, str]:
     return names
 
 
+def unit_params(
+    sites: Sequence[UnitSite],
+    names: Mapping[int, str],
+    is_wrapped: Callable[[nn.Module], bool],
+    ignored: frozenset[int] = frozenset(),
+) -> list[OwnedParams]:
+    """Each site's parameters, in the sites' order (empty for a unit that owns none)."""
+    units = {id(s.module) for s in sites}
+    owners: dict[int, str] = {}
+    return [
+        _owned_params(site.module, names, owners, lambda m: id(m) in units or is_wrapped(m), ignored) for site in sites
+    ]
+
+
 def build_handles(
     sites: Sequence[UnitSite],
     names: Mapping[int, str],
@@ -115,13 +134,21 @@ def build_handles(
     """Each site's flat parameter (None for a unit that owns no parameter), in the sites' order,
     sharing one all-gather rate limiter (``limit_all_gathers``)."""
     limiter = GatherLimiter(runtime, enabled=options.limit_all_gathers)
-    units = {id(s.module) for s in sites}
-    owners: dict[int, str] = {}
     handles: list[FlatParamHandle | None] = []
-    for site in sites:
-        owned = _owned_params(site.module, names, owners, lambda m: id(m) in units or is_wrapped(m), ignored)
+    for owned in unit_params(sites, names, is_wrapped, ignored):
+        if not owned:
+            handles.append(None)
+            continue
         handles.append(
-            _handle(owned, options, division, sharding, runtime, shard_group, device, limiter) if owned else None
+            FlatParamHandle(
+                [o for o, _ in owned],
+                [t for _, t in owned],
+                base_request=unit_request(owned, options, division, sharding),
+                runtime=runtime,
+                shard_group=shard_group,
+                device=device,
+                limiter=limiter,
+            )
         )
     return tuple(handles)
 
@@ -168,17 +195,11 @@ def _owned_params(
     return out
 
 
-def _handle(
-    owned: list[tuple[OrigParam, nn.Parameter]],
-    options: Options,
-    division: Division,
-    sharding: ShardingSpec,
-    runtime: Runtime,
-    shard_group: dist.ProcessGroup,
-    device: torch.device,
-    limiter: GatherLimiter,
-) -> FlatParamHandle:
-    params, tensors = [o for o, _ in owned], [t for _, t in owned]
+def unit_request(owned: OwnedParams, options: Options, division: Division, sharding: ShardingSpec) -> PlanRequest:
+    """The plan request of the unit flattening ``owned``, without this step's flags: its layout
+    (FSDP1's alignment with ``use_orig_params``) and the tree's options. ``ValueError`` for
+    parameters of several dtypes, or frozen beside trainable ones without ``use_orig_params``."""
+    tensors = [t for _, t in owned]
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise ValueError(f"module: one FSDP unit needs one parameter dtype, got {sorted(map(str, dtypes))}")
@@ -194,7 +215,7 @@ def _handle(
     layout = FlatParamLayout.of(
         [(p.fqn, tuple(t.shape)) for p, t in owned], dtype, align=options.use_orig_params, align_dtype=compute
     )
-    request = PlanRequest(
+    return PlanRequest(
         layout=layout,
         sharding=sharding,
         mixed_precision=options.mixed_precision,
@@ -203,13 +224,4 @@ def _handle(
         division=division,
         use_orig_params=options.use_orig_params,
         hybrid_all_reduce=options.hybrid_all_reduce,
-    )
-    return FlatParamHandle(
-        params,
-        tensors,
-        base_request=request,
-        runtime=runtime,
-        shard_group=shard_group,
-        device=device,
-        limiter=limiter,
     )

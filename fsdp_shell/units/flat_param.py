@@ -12,6 +12,7 @@ full-size slice gradient per parameter).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -25,7 +26,7 @@ from fsdp_shell.runtime.collectives import all_gather_flat, any_rank
 from fsdp_shell.runtime.protocol import Pending, Runtime
 from fsdp_shell.units.gather_limit import GatherLimiter
 
-__all__ = ["CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad"]
+__all__ = ["CarriedGrads", "FlatParamHandle", "OrigParam", "set_grad", "split_views"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +189,20 @@ class _Pieces:
         return cls(tuple(sizes), tuple(param_piece))
 
 
+@functools.lru_cache(maxsize=1024)
+def _pieces(layout: FlatParamLayout) -> _Pieces:
+    return _Pieces.of(layout)
+
+
+def split_views(flat: torch.Tensor, layout: FlatParamLayout) -> list[torch.Tensor]:
+    """Each original parameter's view of the unsharded flat parameter ``flat``, in its shape,
+    all from one ``torch.split`` (alignment gaps are pieces of their own, unused): in backward
+    one ``SplitWithSizesBackward`` makes the flat gradient."""
+    pieces_of = _pieces(layout)
+    pieces = torch.split(flat, list(pieces_of.sizes))
+    return [pieces[pieces_of.param_piece[i]].view(p.shape) for i, p in enumerate(layout.params)]
+
+
 class FlatParamHandle:
     """The flat parameter of one FSDP unit and everything done to it outside the post-backward plan."""
 
@@ -219,7 +234,6 @@ class FlatParamHandle:
         self.is_sharded = self.sharding.strategy.is_sharded
         self._runtime = runtime
         self._limiter = GatherLimiter(runtime, enabled=False) if limiter is None else limiter
-        self._pieces = _Pieces.of(self.layout)
 
         local = self.shard_of({p.fqn: t.detach() for p, t in zip(params, tensors)}, self.orig_dtype).clone()
         self.local: torch.Tensor = local.cpu() if self.offload else local
@@ -358,9 +372,7 @@ class FlatParamHandle:
         """Make each original parameter's attribute a view of the unsharded flat parameter, all
         from one ``torch.split`` (alignment gaps are pieces of their own, unused)."""
         assert self.unsharded
-        pieces = torch.split(self.flat_param, list(self._pieces.sizes))
-        for index, p in enumerate(self.params):
-            view = pieces[self._pieces.param_piece[index]].view(self.layout.params[index].shape)
+        for p, view in zip(self.params, split_views(self.flat_param, self.layout)):
             for module, attr in p.slots():
                 if self.use_orig_params:
                     module._parameters[attr] = view  # type: ignore[assignment]  # a view tensor stands in for the Parameter during forward

@@ -1,0 +1,546 @@
+"""A whole model's memory per rank, by phase and by category, from the plans that will run.
+
+Two sides make up what a rank holds while it trains:
+
+- **FSDP's side**, derived here from the units' layouts (``UnitSpec``): the sharded parameters;
+  the unsharded ones as the all-gather schedule (``plan_unshard`` of the recorded orders) gathers
+  and reshards them (``GatherWalk``); every post-backward plan's buffers (``backward_memory``,
+  the plans of each backward in the order their hooks fire, with the flags the carried gradients
+  imply); the gradients carried between backwards (the ``no_sync`` accumulation, the reduced
+  shards until ``zero_grad``); the optimizer's state and a step's temporaries
+  (``fsdp_core.memory.optimizer``); the module's buffers.
+- **autograd's side**, the one input the plans cannot give: everything the model's own ops
+  hold (inputs, activations saved for backward, the gradients flowing back, each unit's new
+  unsharded gradient until its post-backward hook takes it), as an ``ActivationTrace``: the
+  bytes at every FSDP hook and at the step's phase boundaries (``Mark``), and the highest
+  between them. The shell records one from a forward and backward under ``FakeTensorMode``
+  (``fsdp_shell.predict``), with no memory behind it; ``ActivationTrace.chain`` makes one from
+  bytes given per unit.
+
+``model_memory`` walks one training step through both in program order: each hook's FSDP
+actions at the autograd bytes when it fires, then the autograd peak until the next hook over
+what FSDP holds after it. A step is ``accumulate`` forward-backwards (all but the last inside
+``no_sync``), an optimizer step and ``zero_grad(set_to_none=True)``; the figures are those of
+the steady state (a second step, the optimizer's state made by the first). Everything is for
+the rank the units' ``ShardingSpec`` names (``for_rank``); padding makes ranks differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import assert_never
+
+from fsdp_core.memory.allocator import EXACT, Allocator
+from fsdp_core.memory.optimizer import OptimizedTensor, OptimizerSpec, optimizer_state_bytes, optimizer_step_bytes
+from fsdp_core.memory.plan_memory import Executor, HookFootprint, backward_memory
+from fsdp_core.memory.unshard_memory import GatherBytes, GatherWalk, gather_bytes
+from fsdp_core.plan.carry import step_flags
+from fsdp_core.plan.ops import InputRole
+from fsdp_core.plan.planner import build_plan
+from fsdp_core.plan.request import Plan, PlanRequest
+from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce
+from fsdp_core.spec.events import Event, HookEvent
+from fsdp_core.unshard.schedule import AwaitGather, UnshardRequest, plan_unshard
+
+__all__ = [
+    "ActivationTrace",
+    "Category",
+    "Mark",
+    "ModelMemory",
+    "ModelMemoryRequest",
+    "Phase",
+    "PhasePeak",
+    "TracePoint",
+    "UnitSpec",
+    "for_rank",
+    "model_memory",
+    "optimized_tensors",
+]
+
+
+class Mark(enum.Enum):
+    """A boundary of the user's training step that is no FSDP hook."""
+
+    FORWARD_START = "forward_start"
+    """The forward phase begins: nothing of this step is made yet (its inputs neither)."""
+    BACKWARD_START = "backward_start"
+    """The loss is made; ``backward()`` is called."""
+    BACKWARD_END = "backward_end"
+    """``backward()`` has returned."""
+    STEP_END = "step_end"
+    """The step's tensors are dropped (the loss); what is left outlives the step."""
+
+
+class Phase(enum.Enum):
+    """A phase of a training step, as the peaks are reported."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    """``optimizer.step()`` and ``zero_grad()``."""
+
+
+class Category(enum.Enum):
+    """What the bytes of a rank hold."""
+
+    PARAMS_SHARDED = "params_sharded"
+    """Every unit's local shard (on the host with offload: not device bytes on an accelerator)."""
+    PARAMS_UNSHARDED = "params_unsharded"
+    """Unsharded parameters gathered or in flight (prefetch included)."""
+    GRADS_CARRIED = "grads_carried"
+    """Gradients kept between backwards: the ``no_sync`` accumulation, the reduced shards the
+    optimizer steps on."""
+    REDUCE = "reduce"
+    """What the post-backward plans hold beyond the gradients they found and leave: casts,
+    padding, collective buffers, frees the CPU lane returns later."""
+    OPTIMIZER_STATE = "optimizer_state"
+    OPTIMIZER_STEP = "optimizer_step"
+    """A step's temporaries."""
+    AUTOGRAD = "autograd"
+    """The model's own tensors: inputs, activations, gradients flowing back, each unit's new
+    unsharded gradient until its hook takes it."""
+    BUFFERS = "buffers"
+    """The module's buffers and anything else FSDP leaves alone."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TracePoint:
+    """Autograd's side at one FSDP hook or step boundary.
+
+    ``live``: the bytes when it happens, before FSDP acts; ``taken``: at a post-backward hook,
+    the bytes of the new unsharded gradient the hook takes (counted in ``live``, gone after it);
+    ``peak``: the highest from when the hook returned until the next point."""
+
+    at: HookEvent | Mark
+    live: int
+    peak: int
+    taken: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.at, (HookEvent, Mark)):
+            raise TypeError(f"at: expected a HookEvent or a Mark, got {self.at!r}")
+        for name in ("live", "peak", "taken"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0 (bytes), got {value!r}")
+        if self.taken > self.live:
+            raise ValueError(f"taken: {self.taken} B is more than the {self.live} B live when the hook fires")
+        if self.taken and not (isinstance(self.at, HookEvent) and self.at.event is Event.POST_BACKWARD):
+            raise ValueError("taken: only a post-backward hook takes a gradient")
+
+
+_MARK_ORDER = (Mark.FORWARD_START, Mark.BACKWARD_START, Mark.BACKWARD_END, Mark.STEP_END)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationTrace:
+    """Autograd's side of one forward-backward (module docstring): the marks in their order,
+    ``FORWARD_START`` first and ``STEP_END`` last, each once, and the hooks between them."""
+
+    points: tuple[TracePoint, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.points, tuple) or not all(isinstance(p, TracePoint) for p in self.points):
+            raise TypeError(f"points: expected a tuple of TracePoint, got {self.points!r}")
+        marks = tuple(p.at for p in self.points if isinstance(p.at, Mark))
+        ends = (self.points[0].at, self.points[-1].at)
+        if marks != _MARK_ORDER or ends != (Mark.FORWARD_START, Mark.STEP_END):
+            raise ValueError(
+                "points: expected the marks forward_start (first), backward_start, backward_end and step_end "
+                f"(last) once each, got {[m.value for m in marks]}"
+            )
+
+    def _units(self, event: Event) -> tuple[int, ...]:
+        seen: dict[int, None] = {}
+        for p in self.points:
+            if isinstance(p.at, HookEvent) and p.at.event is event:
+                seen.setdefault(p.at.unit, None)
+        return tuple(seen)
+
+    @property
+    def forward_order(self) -> tuple[int, ...]:
+        """Units in the order their forward first ran (as the shell records it)."""
+        return self._units(Event.PRE_FORWARD)
+
+    @property
+    def backward_order(self) -> tuple[int, ...]:
+        """Units in the order their pre-backward hook first fired."""
+        return self._units(Event.PRE_BACKWARD)
+
+    @property
+    def post_backward_order(self) -> tuple[int, ...]:
+        """Units in the order their post-backward hook fired."""
+        return tuple(
+            p.at.unit for p in self.points if isinstance(p.at, HookEvent) and p.at.event is Event.POST_BACKWARD
+        )
+
+    @classmethod
+    def chain(
+        cls, request: UnshardRequest, saved: Sequence[int], grads: Sequence[int], *, inputs: int = 0
+    ) -> ActivationTrace:
+        """A trace from bytes given per unit rather than recorded: ``saved[u]`` stay from unit
+        ``u``'s forward to its post-backward, ``grads[u]`` is its new unsharded gradient (0: it
+        gets none), ``inputs`` live from the step's start to its end; the hooks fire in
+        ``request.events``' order (the root's forward around the others'). Transients inside a
+        unit's forward or backward are not in it: a lower bound where they matter."""
+        if len(saved) != request.units or len(grads) != request.units:
+            raise ValueError(f"saved, grads: expected one figure per unit ({request.units})")
+        live = inputs
+        points = [TracePoint(at=Mark.FORWARD_START, live=0, peak=inputs)]
+        for hook in request.events:
+            event, unit = hook
+            taken = 0
+            match event:
+                case Event.POST_FORWARD:
+                    live += saved[unit]
+                case Event.POST_BACKWARD:
+                    if not grads[unit]:
+                        continue
+                    taken = grads[unit]
+                    live += taken
+                case Event.PRE_FORWARD | Event.PRE_BACKWARD | Event.END_FORWARD | Event.END_BACKWARD:
+                    pass
+                case _:
+                    assert_never(event)
+            if event is Event.PRE_BACKWARD and not any(p.at is Mark.BACKWARD_START for p in points):
+                points.append(TracePoint(at=Mark.BACKWARD_START, live=live, peak=live))
+            after = live - taken - (saved[unit] if event is Event.POST_BACKWARD else 0)
+            points.append(TracePoint(at=hook, live=live, peak=after, taken=taken))
+            live = after
+        if not any(p.at is Mark.BACKWARD_START for p in points):
+            points.append(TracePoint(at=Mark.BACKWARD_START, live=live, peak=live))
+        points.append(TracePoint(at=HookEvent(Event.END_BACKWARD, -1), live=live, peak=live))
+        points += [TracePoint(at=Mark.BACKWARD_END, live=live, peak=live), TracePoint(at=Mark.STEP_END, live=0, peak=0)]
+        return cls(points=tuple(points))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitSpec:
+    """One FSDP unit: its plan request (``flags`` are the step's, decided here) and, for
+    reports, its module's path; ``frozen``: the indices of its parameters that get no gradient
+    (all of them: the unit is frozen and has no post-backward)."""
+
+    request: PlanRequest
+    name: str = ""
+    frozen: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request, PlanRequest):
+            raise TypeError(f"request: expected a PlanRequest, got {type(self.request).__name__}")
+        n = len(self.request.layout.params)
+        if not all(isinstance(i, int) and 0 <= i < n for i in self.frozen):
+            raise ValueError(f"frozen: expected parameter indices in 0..{n - 1}, got {sorted(self.frozen)}")
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any of its parameters gets a gradient."""
+        return len(self.frozen) < len(self.request.layout.params)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelMemoryRequest:
+    """Everything ``model_memory`` depends on."""
+
+    units: tuple[UnitSpec | None, ...]
+    """By unit index (None: a unit that owns no parameter); every spec for the same rank and
+    with one strategy."""
+    root: int
+    trace: ActivationTrace
+    optimizer: OptimizerSpec = OptimizerSpec()
+    optimizer_order: tuple[tuple[int, int], ...] | None = None
+    """The order in which the optimizer steps its tensors (``optimized_tensors``); None: units in
+    order."""
+    accumulate: int = 1
+    """Forward-backwards per optimizer step; all but the last inside ``no_sync()``."""
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    executor: Executor = Executor.STREAMS
+    allocator: Allocator = EXACT
+    buffers: int = 0
+    """Device bytes of the module's buffers and of what FSDP leaves alone."""
+
+    def __post_init__(self) -> None:
+        specs = [u for u in self.units if u is not None]
+        if not specs:
+            raise ValueError("units: expected at least one unit with parameters")
+        if not 0 <= self.root < len(self.units):
+            raise ValueError(f"root: expected a unit index below {len(self.units)}, got {self.root}")
+        shardings = {dataclasses.replace(u.request.sharding, rank=0) for u in specs}
+        if len(shardings) != 1 or len({u.request.sharding.rank for u in specs}) != 1:
+            raise ValueError("units: every unit needs the same sharding and rank")
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate: expected an int >= 1, got {self.accumulate!r}")
+        for unit in (*self.trace.forward_order, *self.trace.backward_order):
+            if not 0 <= unit < len(self.units):
+                raise ValueError(f"trace: unit {unit} is not one of the {len(self.units)} units")
+        for unit in self.trace.post_backward_order:
+            if not 0 <= unit < len(self.units) or self.units[unit] is None:
+                raise ValueError(f"trace: unit {unit} has no parameters here, so no post-backward hook")
+
+    @property
+    def unshard(self) -> UnshardRequest:
+        """The all-gather schedule's request from the trace's orders, as the shell records it."""
+        specs = [u for u in self.units if u is not None]
+        strategy = specs[0].request.sharding.strategy
+        low = any(u.request.compute_dtype != u.request.layout.dtype for u in specs)
+        return UnshardRequest(
+            units=len(self.units),
+            root=self.root,
+            forward_order=tuple(u for u in self.trace.forward_order if self.units[u] is not None),
+            backward_order=tuple(u for u in self.trace.backward_order if self.units[u] is not None),
+            reshard_after_forward=strategy.reshards_after_forward_with(low),
+            reshard_after_backward=strategy.is_sharded,
+            backward_prefetch=self.backward_prefetch,
+            forward_prefetch=self.forward_prefetch,
+        )
+
+
+def for_rank(units: Sequence[UnitSpec | None], rank: int) -> tuple[UnitSpec | None, ...]:
+    """``units`` seen from ``rank`` of the shard group."""
+    return tuple(None if u is None else dataclasses.replace(u, request=_with_rank(u.request, rank)) for u in units)
+
+
+def _with_rank(request: PlanRequest, rank: int) -> PlanRequest:
+    return dataclasses.replace(request, sharding=request.sharding.with_rank(rank))
+
+
+def optimized_tensors(
+    units: Sequence[UnitSpec | None], order: Sequence[tuple[int, int]] | None = None
+) -> tuple[OptimizedTensor, ...]:
+    """What the optimizer steps on this rank: each trainable unit's flat shard, or with
+    ``use_orig_params`` each trainable original parameter's view in this rank's shard (a
+    parameter it holds none of has no gradient, so no state). ``order``: ``(unit, parameter
+    index)`` pairs in the optimizer's order (the index is ignored for flat shards); None: units
+    in order, their parameters in order."""
+    if order is None:
+        order = [
+            (u, i) for u, spec in enumerate(units) if spec is not None for i in range(len(spec.request.layout.params))
+        ]
+    out: list[OptimizedTensor] = []
+    flat_done: set[int] = set()
+    for unit, index in order:
+        u = units[unit]
+        if u is None or not u.trainable:
+            continue
+        r = u.request
+        if not r.use_orig_params:
+            if unit not in flat_done:
+                flat_done.add(unit)
+                numel = r.sharding.shard_numel(r.layout)
+                out.append(OptimizedTensor(numel=numel, dtype=r.layout.dtype, grad_dtype=r.grad_dtype))
+            continue
+        views = {v.param_index: v for v in r.sharding.shard_views(r.layout)}
+        v = views.get(index)
+        if v is not None and index not in u.frozen:
+            out.append(OptimizedTensor(numel=v.numel, dtype=r.layout.dtype, grad_dtype=r.grad_dtype))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class PhasePeak:
+    """The highest bytes of one phase: ``micro`` is which forward-backward of the accumulation
+    window (-1 for the optimizer), ``at`` the hook or boundary where it was reached (None: in the
+    optimizer step) with its ``unit``'s index (-1 for none), and what the bytes hold."""
+
+    phase: Phase
+    micro: int
+    bytes: int
+    at: HookEvent | Mark | None
+    breakdown: Mapping[Category, int]
+
+    @property
+    def unit(self) -> int:
+        """The unit of the hook where the peak was reached (-1: none)."""
+        return self.at.unit if isinstance(self.at, HookEvent) else -1
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMemory:
+    """One rank's bytes in the steady state (module docstring)."""
+
+    peaks: tuple[PhasePeak, ...]
+    """Forward and backward of each forward-backward of the step, then the optimizer."""
+    after_step: Mapping[Category, int]
+    """What is held between steps (after ``zero_grad``)."""
+
+    @property
+    def peak(self) -> PhasePeak:
+        """The step's highest (the first of equals)."""
+        return max(self.peaks, key=lambda p: p.bytes)
+
+    def phase_peak(self, phase: Phase) -> PhasePeak:
+        """``phase``'s highest over the accumulation window."""
+        return max((p for p in self.peaks if p.phase is phase), key=lambda p: p.bytes)
+
+
+def model_memory(request: ModelMemoryRequest) -> ModelMemory:
+    """The steady-state bytes of ``request``'s rank by phase and category (module docstring)."""
+    walk = _StepWalk(request)
+    walk.step(record=False)
+    return walk.step(record=True)
+
+
+class _StepWalk:
+    """FSDP's side of one rank through training steps, against the trace."""
+
+    def __init__(self, r: ModelMemoryRequest) -> None:
+        self.r = r
+        self.specs = r.units
+        specs = [u for u in r.units if u is not None]
+        self.strategy = specs[0].request.sharding.strategy
+        self.use_orig_params = specs[0].request.use_orig_params
+        self.schedule = plan_unshard(r.unshard)
+        self.gathers = GatherWalk(
+            [GatherBytes(0) if u is None else gather_bytes(u.request, r.allocator) for u in r.units]
+        )
+        on_device = r.executor is Executor.CPU_LANE
+        self.fixed = {
+            Category.PARAMS_SHARDED: sum(
+                r.allocator.size(u.request.sharding.shard_numel(u.request.layout) * u.request.layout.dtype.itemsize)
+                for u in specs
+                if on_device or not u.request.offload.offload_params
+            ),
+            Category.BUFFERS: r.buffers,
+        }
+        optimized = optimized_tensors(r.units, r.optimizer_order)
+        optimizer_on_device = on_device or not any(u.request.offload.offload_params for u in specs)
+        self.state_bytes = (
+            optimizer_state_bytes(r.optimizer, optimized, host_is_device=on_device, allocator=r.allocator)
+            if optimizer_on_device
+            else 0
+        )
+        self.step_bytes = optimizer_step_bytes(r.optimizer, optimized, r.allocator) if optimizer_on_device else 0
+        self.optimizer_state = 0
+        self.carried: list[dict[InputRole, int]] = [{} for _ in r.units]
+        self.reduce = 0
+        """Bytes the plans hold beyond the gradients they found and left (``Category.REDUCE``)."""
+        self.zeroed = False
+        """With ``use_orig_params``: ``zero_grad`` dropped the gradients' views since the last
+        forward, so the root's next forward frees what they showed (``reclaim(at_forward=True)``)."""
+        self.lane_issues_shard = specs[0].request.hybrid_all_reduce is HybridAllReduce.SYNC
+        self.peaks: dict[tuple[Phase, int], PhasePeak] = {}
+
+    # -- the bytes -------------------------------------------------------------------------------
+
+    def breakdown(self, autograd: int, **extra: int) -> dict[Category, int]:
+        out = dict.fromkeys(Category, 0)
+        out.update(self.fixed)
+        out[Category.PARAMS_UNSHARDED] = self.gathers.live
+        out[Category.GRADS_CARRIED] = sum(sum(c.values()) for c in self.carried)
+        out[Category.REDUCE] = self.reduce
+        out[Category.OPTIMIZER_STATE] = self.optimizer_state
+        out[Category.AUTOGRAD] = autograd
+        for name, value in extra.items():
+            out[Category(name)] += value
+        return out
+
+    def note(self, phase: Phase | None, micro: int, at: HookEvent | Mark | None, parts: dict[Category, int]) -> None:
+        if phase is None or not self.recording:
+            return
+        total = sum(parts.values())
+        key = (phase, micro)
+        best = self.peaks.get(key)
+        if best is None or total > best.bytes:
+            self.peaks[key] = PhasePeak(phase, micro, total, at, MappingProxyType(parts))
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    def step(self, *, record: bool) -> ModelMemory:
+        self.recording = record
+        self.peaks = {}
+        for micro in range(self.r.accumulate):
+            self.forward_backward(micro, sync=micro == self.r.accumulate - 1)
+        last = self.r.trace.points[-1].live
+        self.optimizer_state = self.state_bytes
+        self.note(Phase.OPTIMIZER, -1, None, self.breakdown(last, optimizer_step=self.step_bytes))
+        if self.use_orig_params:
+            self.zeroed = True
+        else:
+            self.carried = [{} for _ in self.carried]
+        after = self.breakdown(last)
+        keys = sorted(self.peaks, key=lambda k: (k[1] < 0, k[1], k[0] is Phase.BACKWARD))
+        ordered = tuple(self.peaks[k] for k in keys)
+        return ModelMemory(ordered, MappingProxyType(after))
+
+    def plans(self, sync: bool) -> list[Plan]:
+        """This backward's plans in the order their hooks fire, each with the flags its unit's
+        carried gradients imply (a unit's carried state changes only at its own hook)."""
+        out = []
+        for unit in self.r.trace.post_backward_order:
+            spec = self.specs[unit]
+            assert spec is not None
+            flags = step_flags(frozenset(self.carried[unit]), sync_gradients=sync, requires_all_reduce=True)
+            out.append(build_plan(dataclasses.replace(spec.request, flags=flags)))
+        return out
+
+    def forward_backward(self, micro: int, *, sync: bool) -> None:
+        r = self.r
+        hooks: Iterator[tuple[Plan, HookFootprint]] = iter(())
+        returned_at_end = 0
+        phase: Phase | None = None
+        for point in r.trace.points:
+            at = point.at
+            if isinstance(at, Mark):
+                phase = {Mark.FORWARD_START: Phase.FORWARD, Mark.BACKWARD_START: Phase.BACKWARD}.get(at)
+                if at is Mark.BACKWARD_START:
+                    plans = self.plans(sync)
+                    backward = backward_memory(
+                        plans, r.executor, lane_issues_shard=self.lane_issues_shard, allocator=r.allocator
+                    )
+                    hooks, returned_at_end = iter(zip(plans, backward.hooks)), backward.returned_at_end
+                self.note(phase, micro, at, self.breakdown(point.live))
+                self.note(phase, micro, at, self.breakdown(point.peak))
+                continue
+            event, unit = at
+            match event:
+                case Event.PRE_FORWARD | Event.PRE_BACKWARD:
+                    if event is Event.PRE_FORWARD and unit == r.root and self.zeroed:
+                        self.carried = [{} for _ in self.carried]
+                        self.zeroed = False
+                    own = self.specs[unit] is not None
+                    peak, net = self.gathers.run_all(
+                        (*self.schedule.actions(event, unit), AwaitGather(unit=unit)) if own else ()
+                    )
+                    self.note(phase, micro, at, self.breakdown(point.live, params_unsharded=peak - net))
+                case Event.POST_FORWARD:
+                    peak, net = self.gathers.run_all(self.schedule.actions(event, unit))
+                    self.note(phase, micro, at, self.breakdown(point.live, params_unsharded=peak - net))
+                case Event.POST_BACKWARD:
+                    plan, hook = next(hooks)
+                    if plan.request.layout != self._spec(unit).request.layout:
+                        raise AssertionError("the trace's post-backward order changed between backwards")
+                    self.note(phase, micro, at, self.breakdown(point.live, reduce=hook.peak))
+                    carried = self.carried[unit]
+                    before = sum(carried.values())
+                    for role in plan.consumed:
+                        carried.pop(role, None)
+                    if plan.carried_out is not None:
+                        carried[plan.carried_out] = hook.memory.handed_off
+                    unsharded = hook.memory.unsharded
+                    if plan.should_free_in_backward:
+                        self.gathers.resharded(unit)
+                    self.reduce += hook.net + point.taken + unsharded - (sum(carried.values()) - before)
+                    peak, net = self.gathers.run_all(self.schedule.actions(event, unit))
+                    after = point.live - point.taken
+                    self.note(phase, micro, at, self.breakdown(after, params_unsharded=peak - net))
+                case Event.END_BACKWARD:
+                    self.reduce -= returned_at_end
+                    if self.strategy.reshards_after_backward(sync):
+                        for index, spec in enumerate(self.specs):
+                            if spec is not None:
+                                self.gathers.resharded(index)
+                    self.note(phase, micro, at, self.breakdown(point.live))
+                case Event.END_FORWARD:
+                    pass
+                case _:
+                    assert_never(event)
+            self.note(phase, micro, at, self.breakdown(point.peak))
+
+    def _spec(self, unit: int) -> UnitSpec:
+        spec = self.specs[unit]
+        assert spec is not None
+        return spec

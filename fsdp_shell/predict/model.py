@@ -1,0 +1,188 @@
+"""A whole model's memory per rank, predicted before launch: ``predict_memory``.
+
+The model (built on the meta device, or real: it is left as it was) is taken apart as the
+wrapper would take it (``find_units``, ``unit_params``, ``unit_request``: the same code, with
+no process group), one step is recorded under ``FakeTensorMode`` (``record_trace``), and
+``fsdp_core.memory.model_memory`` derives every rank's bytes by phase from the units' plans,
+the all-gather schedule and the trace. ``backend="gloo"`` predicts the CPU runtime (exact
+bytes, the lane's deferred frees, the optimizer's CPU defaults), ``"nccl"`` an accelerator's
+(device streams, CUDA's 512-byte blocks, offloaded states on the host, ``foreach`` steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fsdp_core import BackendCaps, Division, ShardingSpec
+from fsdp_core.memory import Executor
+from fsdp_core.memory.allocator import CUDA_CACHING, EXACT, Allocator
+from fsdp_core.memory.model_memory import (
+    ActivationTrace,
+    ModelMemory,
+    ModelMemoryRequest,
+    UnitSpec,
+    for_rank,
+    model_memory,
+)
+from fsdp_core.memory.optimizer import OptimizerKind, OptimizerSpec
+from fsdp_shell.options import Options, parse_options
+from fsdp_shell.predict.trace import StepFn, TraceUnit, record_trace
+from fsdp_shell.units.build import OwnedParams, UnitSite, find_units, param_names, unit_params, unit_request
+
+__all__ = ["Prediction", "predict_memory"]
+
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What ``predict_memory`` found: the units (seen from shard rank 0) with their module
+    paths (``""`` for the root), autograd's trace, and every shard rank's memory."""
+
+    units: tuple[UnitSpec | None, ...]
+    paths: tuple[str, ...]
+    trace: ActivationTrace
+    ranks: tuple[ModelMemory, ...]
+    """By rank in the shard group (one for ``NO_SHARD``: every rank holds the same)."""
+    options: Options
+    world_size: int
+    backend: str
+
+    @property
+    def worst_rank(self) -> int:
+        """The shard rank with the highest peak (the lowest of equals)."""
+        return max(range(len(self.ranks)), key=lambda r: (self.ranks[r].peak.bytes, -r))
+
+    @property
+    def worst(self) -> ModelMemory:
+        """The worst rank's memory."""
+        return self.ranks[self.worst_rank]
+
+
+def predict_memory(
+    module: nn.Module,
+    step: StepFn,
+    *,
+    world_size: int,
+    shard_size: int | None = None,
+    sharding_strategy: object = None,
+    mixed_precision: object = None,
+    cpu_offload: object = None,
+    auto_wrap_policy: object = None,
+    use_orig_params: bool = False,
+    backward_prefetch: object = "BACKWARD_PRE",
+    forward_prefetch: bool = False,
+    hybrid_all_reduce: object = "async",
+    optimizer: OptimizerKind | str = OptimizerKind.ADAMW,
+    accumulate: int = 1,
+    backend: str = "nccl",
+) -> Prediction:
+    """Every shard rank's bytes by phase for training ``module`` with these arguments (FSDP's
+    constructor's, meaning the same) on ``world_size`` ranks, no process group made: each step
+    ``accumulate`` forward-backwards (``step`` makes the inputs and returns the loss; all but
+    the last inside ``no_sync()``), ``optimizer.step()`` and ``zero_grad()``. ``ValueError`` /
+    ``TypeError`` naming a bad argument."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise ValueError(f"accumulate: expected an int >= 1, got {accumulate!r}")
+    kind = optimizer if isinstance(optimizer, OptimizerKind) else OptimizerKind.parse(str(optimizer))
+    options = parse_options(
+        sharding_strategy=sharding_strategy,
+        cpu_offload=cpu_offload,
+        auto_wrap_policy=auto_wrap_policy,
+        mixed_precision=mixed_precision,
+        use_orig_params=use_orig_params,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+        division_policy="pre_post",
+        hybrid_all_reduce=hybrid_all_reduce,
+    )
+    sharding = ShardingSpec.for_world(options.strategy, world_size, shard_size)
+    division = Division(policy=options.division_policy, backend=BackendCaps.for_backend(backend))
+    gloo = backend == "gloo"
+    allocator: Allocator = EXACT if gloo else CUDA_CACHING
+
+    names = param_names(module)
+    sites = find_units(module, options.wrap, lambda m: False)
+    owned = unit_params(sites, names, lambda m: False)
+    units = tuple(_unit(o, options, division, sharding, path) for o, path in zip(owned, _paths(module, sites)))
+    trace = record_trace(
+        module,
+        [
+            TraceUnit(site.module, [p for p, _ in o], None if u is None else u.request, bool(u and u.trainable))
+            for site, o, u in zip(sites, owned, units)
+        ],
+        step,
+        mixed_precision=options.mixed_precision,
+        block=allocator.block,
+    )
+    buffers = _buffer_bytes(module, options.mixed_precision.buffer_dtype, allocator)
+    order = _optimizer_order(module, sites, owned, options.use_orig_params)
+    ranks = tuple(
+        model_memory(
+            ModelMemoryRequest(
+                units=for_rank(units, rank),
+                root=len(units) - 1,
+                trace=trace,
+                optimizer=OptimizerSpec(kind=kind, foreach=not gloo),
+                optimizer_order=order,
+                accumulate=accumulate,
+                backward_prefetch=options.backward_prefetch,
+                forward_prefetch=options.forward_prefetch,
+                executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
+                allocator=allocator,
+                buffers=buffers,
+            )
+        )
+        for rank in range(sharding.num_shards)
+    )
+    return Prediction(
+        units=units,
+        paths=tuple(_paths(module, sites)),
+        trace=trace,
+        ranks=ranks,
+        options=options,
+        world_size=world_size,
+        backend=backend,
+    )
+
+
+def _unit(
+    owned: OwnedParams, options: Options, division: Division, sharding: ShardingSpec, path: str
+) -> UnitSpec | None:
+    if not owned:
+        return None
+    frozen = frozenset(i for i, (_, t) in enumerate(owned) if not t.requires_grad)
+    return UnitSpec(request=unit_request(owned, options, division, sharding), name=path, frozen=frozen)
+
+
+def _paths(module: nn.Module, sites: Sequence[UnitSite]) -> list[str]:
+    path_of = {id(m): name for name, m in module.named_modules()}
+    return [path_of[id(site.module)] for site in sites]
+
+
+def _buffer_bytes(module: nn.Module, dtype: torch.dtype | None, allocator: Allocator) -> int:
+    """Bytes of ``module``'s buffers once FSDP has cast the floating-point ones to ``dtype``."""
+    total = 0
+    for b in {id(b): b for b in module.buffers()}.values():
+        kind = dtype if dtype is not None and torch.is_floating_point(b) else b.dtype
+        total += allocator.size(b.numel() * kind.itemsize)
+    return total
+
+
+def _optimizer_order(
+    module: nn.Module, sites: Sequence[UnitSite], owned: Sequence[OwnedParams], use_orig_params: bool
+) -> tuple[tuple[int, int], ...]:
+    """``(unit, parameter index)`` in the order of the wrapped model's ``parameters()``: the
+    unwrapped model's with ``use_orig_params``; else each unit's flat parameter where it is
+    registered, on the unit's module, visited before the module's children."""
+    if use_orig_params:
+        where = {id(t): (u, i) for u, o in enumerate(owned) for i, (_, t) in enumerate(o)}
+        return tuple(where[id(p)] for p in module.parameters() if id(p) in where)
+    unit_of = {id(site.module): u for u, site in enumerate(sites)}
+    return tuple((unit_of[id(m)], -1) for m in module.modules() if id(m) in unit_of and owned[unit_of[id(m)]])

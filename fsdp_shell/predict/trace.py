@@ -1,0 +1,217 @@
+"""Autograd's side of a training step, recorded with no memory behind it: ``record_trace``.
+
+The model runs one forward and backward under ``FakeTensorMode`` as FSDP would run it: every
+unit's parameters are views of one flat parameter in the compute dtype (``split_views``, as
+``FlatParamHandle.use_unsharded_views`` makes them), inputs are cast as FSDP1 casts them
+(``cast_inputs``), each unit's outputs carry a pre-backward hook and each flat parameter a
+post-accumulate-grad hook that takes its gradient, as the shell's hooks do. ``LiveBytes`` on the
+fake tensors' ``meta`` storages counts every tensor the model's ops hold, the flat parameters
+and the buffers left out (FSDP's side, ``fsdp_core.memory.model_memory``, counts those): the
+bytes at each hook and step boundary, and the highest between them, are the
+``ActivationTrace``. The model is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fsdp_core import Event, HookEvent, MixedPrecision, PlanRequest
+from fsdp_core.memory.model_memory import ActivationTrace, Mark, TracePoint
+from fsdp_shell.hooks import cast_inputs, tensors_in
+from fsdp_shell.memory import LiveBytes
+from fsdp_shell.memory.live import Window
+from fsdp_shell.units.flat_param import OrigParam, split_views
+
+__all__ = ["StepFn", "TraceUnit", "record_trace"]
+
+StepFn = Callable[[nn.Module], torch.Tensor]
+"""One forward of a training step: makes its inputs, runs the model, returns the loss."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TraceUnit:
+    """One unit as the trace runs it: its module, the parameters it flattens (none: the unit
+    owns no parameter) and its plan request."""
+
+    module: nn.Module
+    params: list[OrigParam]
+    request: PlanRequest | None
+    trainable: bool = True
+
+
+class _Recorder:
+    """The points of one step as they happen; a tree's per-backward state as the shell keeps it."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        self.live = live
+        self.points: list[tuple[HookEvent | Mark, int, int]] = []
+        self.peaks: list[int] = []
+        self.window: Window | None = None
+        self.backward_started = False
+        self.unsharded_for_backward: set[int] = set()
+
+    def pre_backward(self, index: int, has_params: bool, grad: torch.Tensor) -> torch.Tensor:
+        """A hook on a unit's outputs (``fsdp_shell.hooks.pre_backward``)."""
+        if not self.backward_started:
+            self.backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        if has_params and index not in self.unsharded_for_backward:
+            self.unsharded_for_backward.add(index)
+            self.point(HookEvent(Event.PRE_BACKWARD, index))
+        return grad
+
+    def end_backward(self) -> None:
+        """The end-of-backward callback."""
+        self.point(HookEvent(Event.END_BACKWARD, -1))
+        self.backward_started = False
+        self.unsharded_for_backward.clear()
+
+    def point(self, at: HookEvent | Mark, taken: torch.Tensor | None = None) -> None:
+        """``at`` happens now; ``taken``: the gradient a post-backward hook takes, freed here."""
+        if self.window is not None:
+            self.live.close_window(self.window)
+            self.peaks.append(self.window.peak)
+        nbytes = 0
+        if taken is not None:
+            before = self.live.current
+            taken.untyped_storage().resize_(0)
+            nbytes = before - self.live.current
+        self.points.append((at, self.live.current + nbytes, nbytes))
+        self.window = self.live.open_window()
+
+    def trace(self) -> ActivationTrace:
+        assert self.window is not None
+        self.live.close_window(self.window)
+        self.peaks.append(self.window.peak)
+        return ActivationTrace(
+            points=tuple(
+                TracePoint(at=at, live=live, peak=peak, taken=taken)
+                for (at, live, taken), peak in zip(self.points, self.peaks, strict=True)
+            )
+        )
+
+
+def record_trace(
+    module: nn.Module,
+    units: Sequence[TraceUnit],
+    step: StepFn,
+    *,
+    mixed_precision: MixedPrecision,
+    block: int = 1,
+) -> ActivationTrace:
+    """Autograd's bytes through one forward (``step``) and backward of ``module`` (module
+    docstring); ``units`` by unit index, the root (``module`` itself) last; ``block``: each
+    storage counted as ``LiveBytes`` counts it."""
+    root = len(units) - 1
+    if units[root].module is not module:
+        raise ValueError("units: the last unit must be the root module")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with contextlib.ExitStack() as undo:
+        undo.enter_context(_fake_buffers(module, fake, mixed_precision.buffer_dtype))
+        flats = undo.enter_context(_flat_params(units, fake))
+        with fake, LiveBytes("meta", block=block) as live:
+            live.ignore([*flats.values(), *module.buffers()])
+            rec = _Recorder(live)
+            for index, unit in enumerate(units):
+                undo.enter_context(_hooked(unit, index, index == root, flats.get(index), rec, mixed_precision))
+            rec.point(Mark.FORWARD_START)
+            loss = step(module)
+            rec.point(Mark.BACKWARD_START)
+            torch.autograd.backward(loss)
+            rec.point(Mark.BACKWARD_END)
+            del loss
+            rec.point(Mark.STEP_END)
+            return rec.trace()
+
+
+@contextlib.contextmanager
+def _fake_buffers(module: nn.Module, fake: FakeTensorMode, dtype: torch.dtype | None) -> Iterator[None]:
+    """Every buffer a fake tensor on the CPU for the block, floating-point ones in ``dtype``
+    when given (``cast_buffers``); their values are never needed."""
+    saved = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    for m, name, b in saved:
+        kind = dtype if dtype is not None and torch.is_floating_point(b) else b.dtype
+        with fake:
+            m._buffers[name] = torch.empty(b.shape, dtype=kind)
+    try:
+        yield
+    finally:
+        for m, name, b in saved:
+            m._buffers[name] = b
+
+
+@contextlib.contextmanager
+def _flat_params(units: Sequence[TraceUnit], fake: FakeTensorMode) -> Iterator[dict[int, nn.Parameter]]:
+    """Each unit's unsharded flat parameter, fake, in the compute dtype, its parameters taken
+    out of their modules for the block."""
+    flats: dict[int, nn.Parameter] = {}
+    saved: list[tuple[nn.Module, str, nn.Parameter | None]] = []
+    for index, unit in enumerate(units):
+        if unit.request is None:
+            continue
+        with fake:
+            data = torch.empty(unit.request.layout.total_numel, dtype=unit.request.compute_dtype)
+        flats[index] = nn.Parameter(data, requires_grad=unit.trainable)
+        for orig in unit.params:
+            for m, attr in orig.slots():
+                saved.append((m, attr, m._parameters.pop(attr)))
+    try:
+        yield flats
+    finally:
+        for m, attr, param in saved:
+            m.__dict__.pop(attr, None)
+            m._parameters[attr] = param
+
+
+@contextlib.contextmanager
+def _hooked(
+    unit: TraceUnit, index: int, is_root: bool, flat: nn.Parameter | None, rec: _Recorder, mp: MixedPrecision
+) -> Iterator[None]:
+    """The shell's hooks on ``unit`` for the block (``fsdp_shell.hooks``), recording instead of
+    gathering and reducing."""
+    request = unit.request
+
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if flat is not None or is_root:
+            rec.point(HookEvent(Event.PRE_FORWARD, index))
+        args, kwargs = cast_inputs(mp, args, kwargs, has_params=flat is not None, is_root=is_root)
+        if flat is not None and request is not None:
+            for p, view in zip(unit.params, split_views(flat, request.layout)):
+                for m, attr in p.slots():
+                    setattr(m, attr, view)
+        return args, kwargs
+
+    def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        if is_root:
+            rec.point(HookEvent(Event.END_FORWARD, -1))
+        if flat is not None:
+            rec.point(HookEvent(Event.POST_FORWARD, index))
+        if torch.is_grad_enabled():
+            for t in tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(rec.pre_backward, index, flat is not None))  # type: ignore[no-untyped-call]  # unannotated in torch
+        return out
+
+    def post_backward(param: torch.Tensor) -> None:
+        grad, param.grad = param.grad, None
+        rec.point(HookEvent(Event.POST_BACKWARD, index), taken=grad)
+
+    handles = [
+        unit.module.register_forward_pre_hook(before, with_kwargs=True),
+        unit.module.register_forward_hook(after, with_kwargs=True),
+    ]
+    if flat is not None and flat.requires_grad:
+        handles.append(flat.register_post_accumulate_grad_hook(post_backward))  # type: ignore[no-untyped-call]  # unannotated in torch
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
