@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import gc
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell import FSDP
+from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.runtime.cpu import CpuRuntime
 from tests.dist_harness import run_world
@@ -43,14 +45,25 @@ from tests.memory_cases import measuring_plans
 class Config:
     strategy: str
     model: str = "mlp"
+    """``mlp`` (6 residual 64-wide layers), ``demo`` (fsdp-demo's ``TinyLM``), or a tiny Hugging
+    Face ``gpt2`` or ``llama``."""
     orig: bool = False
     bf16: bool = False
     accumulate: int = 1
     offload: bool = False
+    backward_prefetch: str = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    optimizer: str = "adamw"
+    """``adamw``, ``adam``, ``sgd`` or ``sgd_momentum`` (torch's defaults, lr aside)."""
+    hybrid_all_reduce: str = "async"
 
     @property
     def world(self) -> int:
         return 4 if self.strategy.startswith("HYBRID") else 2
+
+    @property
+    def shard_size(self) -> int | None:
+        return 2 if self.strategy.startswith("HYBRID") else None
 
 
 CONFIGS: dict[str, Config] = {}
@@ -78,23 +91,49 @@ class Layer(nn.Module):
         return out
 
 
-def _net(cfg: Config) -> tuple[nn.Module, type[nn.Module]]:
+DEMO = ModelConfig(vocab=256, seq=32, width=64, heads=4, layers=3)
+
+
+def net(cfg: Config) -> tuple[nn.Module, type[nn.Module]]:
+    """The configuration's model (seeded, on the default device: ``torch.device("meta")`` for
+    one with no memory) and its block class."""
+    torch.manual_seed(0)
     if cfg.model == "mlp":
-        torch.manual_seed(0)
         return nn.Sequential(*(Layer() for _ in range(6))), Layer
+    if cfg.model == "demo":
+        return TinyLM(DEMO), Block
     from tests.hf_cases import make_model
 
     return make_model(cfg.model)
 
 
-def _loss(model: nn.Module, cfg: Config, rank: int, step: int) -> torch.Tensor:
+def loss_of(model: nn.Module, cfg: Config, rank: int, step: int) -> torch.Tensor:
+    """One forward of a training step: the batch of ``rank`` at ``step``, and the loss. Under
+    ``FakeTensorMode`` the batch is fake (the generator is ignored there)."""
     gen = torch.Generator().manual_seed(100 * step + rank)
     if cfg.model == "mlp":
         out: torch.Tensor = model(torch.randn(8, 64, generator=gen)).float().square().mean()
         return out
+    if cfg.model == "demo":
+        tokens = torch.randint(0, DEMO.vocab, (4, DEMO.seq + 1), generator=gen)
+        return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
     ids = torch.randint(0, 64, (2, 16), generator=gen)
     loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
     return loss
+
+
+def optimizer_of(cfg: Config, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The configuration's optimizer, with torch's defaults but the learning rate."""
+    match cfg.optimizer:
+        case "adamw":
+            return torch.optim.AdamW(params, lr=1e-3)
+        case "adam":
+            return torch.optim.Adam(params, lr=1e-3)
+        case "sgd":
+            return torch.optim.SGD(params, lr=1e-3)
+        case "sgd_momentum":
+            return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    raise ValueError(f"optimizer: unknown {cfg.optimizer!r}")
 
 
 def _wrap(impl: str, cfg: Config) -> nn.Module:
@@ -104,25 +143,31 @@ def _wrap(impl: str, cfg: Config) -> nn.Module:
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    net, block = _net(cfg)
+    module, block = net(cfg)
     mesh = None
     if cfg.strategy.startswith("HYBRID"):
         mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
     precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
     offload = CPUOffload(offload_params=cfg.offload)
+    prefetch = None if cfg.backward_prefetch == "none" else cfg.backward_prefetch
     if impl == "ours":
         return FSDP(
-            net,
+            module,
             auto_wrap_policy={block},
             sharding_strategy=ShardingStrategy[cfg.strategy],
             mixed_precision=precision,
             use_orig_params=cfg.orig,
             device_mesh=mesh,
             cpu_offload=offload,
+            backward_prefetch=prefetch,
+            forward_prefetch=cfg.forward_prefetch,
+            hybrid_all_reduce=cfg.hybrid_all_reduce,
         )
+    from torch.distributed.fsdp import BackwardPrefetch
+
     strategy = TorchStrategy[cfg.strategy.replace("HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")]
     return TorchFSDP(
-        net,
+        module,
         auto_wrap_policy=ModuleWrapPolicy({block}),
         sharding_strategy=strategy,
         mixed_precision=precision,
@@ -130,19 +175,27 @@ def _wrap(impl: str, cfg: Config) -> nn.Module:
         device_mesh=mesh,
         cpu_offload=offload,
         device_id=torch.device("cpu"),
+        backward_prefetch=None if prefetch is None else BackwardPrefetch[prefetch],
+        forward_prefetch=cfg.forward_prefetch,
     )
 
 
 def measure(rank: int, world: int, job: tuple[Config, int]) -> dict[str, dict[str, int]]:
     """Both implementations' peaks by phase (and, for ours, the hooks matching the prediction)."""
     cfg, steps = job
+    return measure_impls(rank, world, (cfg, steps, ("ours", "fsdp1") if not cfg.offload else ("ours",)))
+
+
+def measure_impls(rank: int, world: int, job: tuple[Config, int, tuple[str, ...]]) -> dict[str, dict[str, int]]:
+    """``measure`` for the implementations named (``ours``, ``fsdp1``)."""
+    cfg, steps, impls = job
     out: dict[str, dict[str, int]] = {}
-    for impl in ("ours", "fsdp1") if not cfg.offload else ("ours",):
+    for impl in impls:
         gc.collect()
         hooks: list[tuple[str, int, int, int, int]] = []
         with LiveBytes() as live:
             model = _wrap(impl, cfg)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            opt = optimizer_of(cfg, model.parameters())
             runtime = getattr(getattr(model, "_tree", None), "runtime", None)
             with measuring_plans(live, runtime, hooks) if isinstance(runtime, CpuRuntime) else contextlib.nullcontext():
                 for step in range(steps):
@@ -150,7 +203,7 @@ def measure(rank: int, world: int, job: tuple[Config, int]) -> dict[str, dict[st
                         sync = micro == cfg.accumulate - 1
                         with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]  # both wrappers have no_sync
                             with live.phase("forward"):
-                                loss = _loss(model, cfg, rank, step)
+                                loss = loss_of(model, cfg, rank, step)
                             with live.phase(f"backward {step}.{micro}"):
                                 torch.autograd.backward(loss)
                             del loss

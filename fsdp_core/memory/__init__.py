@@ -1,35 +1,85 @@
 """Memory, predicted from the plans and the all-gather schedule: what one post-backward plan
-holds op by op (``plan_memory``) and the hooks of a backward in order (``backward_footprints``);
-what the all-gathers hold hook by hook (``unshard_footprints``). The whole model's per-rank
-memory builds on them."""
+holds op by op (``plan_memory``) and the hooks of a backward in order (``backward_memory``);
+what the all-gathers hold hook by hook (``unshard_footprints``); what torch's optimizers hold
+(``optimizer``); and a whole model's bytes per rank by phase and category (``model_memory``),
+from all of them and autograd's side of a step (``ActivationTrace``). Sizes are as an
+``Allocator`` counts them."""
 
+from fsdp_core.memory.allocator import CUDA_CACHING, EXACT, Allocator
+from fsdp_core.memory.model_memory import (
+    ActivationTrace,
+    Category,
+    Mark,
+    ModelMemory,
+    ModelMemoryRequest,
+    Phase,
+    PhasePeak,
+    TracePoint,
+    UnitSpec,
+    for_rank,
+    model_memory,
+    optimized_tensors,
+)
+from fsdp_core.memory.optimizer import (
+    OptimizedTensor,
+    OptimizerKind,
+    OptimizerSpec,
+    optimizer_state_bytes,
+    optimizer_step_bytes,
+)
 from fsdp_core.memory.plan_memory import (
     GLOO_ALL_TO_ALL_MAX_BYTES,
+    BackwardMemory,
     Executor,
     HookFootprint,
     PlanMemory,
     backward_footprints,
+    backward_memory,
     plan_memory,
     unsharded_param_bytes,
 )
 from fsdp_core.memory.unshard_memory import (
     GLOO_ASYNC_GATHER_MAX_BYTES,
     GatherBytes,
+    GatherWalk,
     UnshardFootprint,
     gather_bytes,
     unshard_footprints,
 )
 
 __all__ = [
+    "CUDA_CACHING",
+    "EXACT",
     "GLOO_ALL_TO_ALL_MAX_BYTES",
     "GLOO_ASYNC_GATHER_MAX_BYTES",
+    "ActivationTrace",
+    "Allocator",
+    "BackwardMemory",
+    "Category",
     "Executor",
     "GatherBytes",
+    "GatherWalk",
     "HookFootprint",
+    "Mark",
+    "ModelMemory",
+    "ModelMemoryRequest",
+    "OptimizedTensor",
+    "OptimizerKind",
+    "OptimizerSpec",
+    "Phase",
+    "PhasePeak",
     "PlanMemory",
+    "TracePoint",
+    "UnitSpec",
     "UnshardFootprint",
     "backward_footprints",
+    "backward_memory",
+    "for_rank",
     "gather_bytes",
+    "model_memory",
+    "optimized_tensors",
+    "optimizer_state_bytes",
+    "optimizer_step_bytes",
     "plan_memory",
     "unshard_footprints",
     "unsharded_param_bytes",

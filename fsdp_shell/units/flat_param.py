@@ -413,8 +413,14 @@ class FlatParamHandle:
 
     def take_carried(self, role: InputRole) -> torch.Tensor:
         """The carried gradient a plan takes under ``role``, no longer held here: the plan's run
-        holds it alone from now on, so it is freed at the plan's ``Free`` of it."""
+        holds it alone from now on, so it is freed at the plan's ``Free`` of it. With
+        ``use_orig_params`` the original parameters' ``.grad`` views of it go too (the plan's
+        ``GradViews`` shows the new gradient): they kept a ``no_sync`` accumulation alive to
+        the end of backward, one unsharded gradient per unit."""
         t = self.carried.take(role)
+        if self.use_orig_params and self.carried.visible is role:
+            for orig in self.orig_params:
+                orig.grad = None
         self.carried = self.carried.without(role)
         return t
 

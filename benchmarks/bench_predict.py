@@ -1,0 +1,135 @@
+"""Predicted against measured: a whole model's live bytes per rank, by phase.
+
+Run on demand: ``python benchmarks/bench_predict.py [--configs NAME,...] [--steps 3]``.
+
+For each configuration, ``fsdp_shell.predict.predict_memory`` predicts every rank's bytes from
+the model built on the meta device (no process group, no memory: the plans, the all-gather
+schedule and a ``FakeTensorMode`` trace of one step); then a gloo world trains the model for
+real, measured by ``fsdp_shell.memory.LiveBytes`` (``benchmarks/bench_memory.py``: exact live
+tensor-storage bytes from the model's construction on, the peak of each phase over all steps).
+Printed per configuration, for the worst rank: predicted / measured peak of forward, backward
+and the optimizer step, and the bytes left after the last step; then the largest error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_memory import Config, loss_of, measure_impls, net
+from fsdp_core import CPUOffload, MixedPrecision
+from fsdp_core.memory import Phase
+from fsdp_shell.predict import Prediction, predict_memory
+from tests.dist_harness import run_world
+
+PHASES = ("forward", "backward", "optimizer", "after")
+
+CONFIGS: dict[str, Config] = {
+    "mlp-full_shard": Config("FULL_SHARD"),
+    "mlp-full_shard-bf16": Config("FULL_SHARD", bf16=True),
+    "mlp-full_shard-orig": Config("FULL_SHARD", orig=True),
+    "mlp-full_shard-orig-bf16-no_sync": Config("FULL_SHARD", orig=True, bf16=True, accumulate=2),
+    "mlp-shard_grad_op": Config("SHARD_GRAD_OP"),
+    "mlp-shard_grad_op-bf16-no_sync": Config("SHARD_GRAD_OP", bf16=True, accumulate=3),
+    "mlp-no_shard": Config("NO_SHARD"),
+    "mlp-no_shard-bf16-no_sync": Config("NO_SHARD", bf16=True, accumulate=2),
+    "mlp-hybrid_shard": Config("HYBRID_SHARD"),
+    "mlp-hybrid_shard-bf16-orig": Config("HYBRID_SHARD", bf16=True, orig=True),
+    "mlp-hybrid_shard-sync-no_sync": Config("HYBRID_SHARD", hybrid_all_reduce="sync", accumulate=2),
+    "mlp-hybrid_shard_zero2-bf16": Config("HYBRID_SHARD_ZERO2", bf16=True),
+    "mlp-full_shard-offload": Config("FULL_SHARD", offload=True),
+    "mlp-full_shard-offload-bf16-orig": Config("FULL_SHARD", offload=True, bf16=True, orig=True),
+    "mlp-full_shard-backward_post": Config("FULL_SHARD", backward_prefetch="BACKWARD_POST"),
+    "mlp-full_shard-no_prefetch-forward_prefetch": Config(
+        "FULL_SHARD", backward_prefetch="none", forward_prefetch=True
+    ),
+    "mlp-full_shard-sgd": Config("FULL_SHARD", optimizer="sgd"),
+    "mlp-full_shard-orig-sgd_momentum": Config("FULL_SHARD", orig=True, optimizer="sgd_momentum"),
+    "mlp-full_shard-adam": Config("FULL_SHARD", optimizer="adam"),
+    "demo-full_shard": Config("FULL_SHARD", model="demo"),
+    "demo-full_shard-bf16-orig": Config("FULL_SHARD", model="demo", bf16=True, orig=True),
+    "demo-hybrid_shard-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),
+    "gpt2-full_shard": Config("FULL_SHARD", model="gpt2"),
+    "gpt2-full_shard-bf16-orig": Config("FULL_SHARD", model="gpt2", bf16=True, orig=True),
+    "gpt2-shard_grad_op-bf16-no_sync": Config("SHARD_GRAD_OP", model="gpt2", bf16=True, accumulate=2),
+    "gpt2-hybrid_shard-bf16": Config("HYBRID_SHARD", model="gpt2", bf16=True),
+    "llama-full_shard-bf16": Config("FULL_SHARD", model="llama", bf16=True),
+    "llama-full_shard-orig-bf16-forward_prefetch": Config(
+        "FULL_SHARD", model="llama", bf16=True, orig=True, forward_prefetch=True
+    ),
+    "llama-no_shard": Config("NO_SHARD", model="llama"),
+    "llama-hybrid_shard_zero2-orig-sgd_momentum": Config(
+        "HYBRID_SHARD_ZERO2", model="llama", orig=True, optimizer="sgd_momentum"
+    ),
+}
+
+
+def predict(cfg: Config) -> Prediction:
+    """``cfg``'s prediction for the CPU runtime, from the model built on the meta device."""
+    with torch.device("meta"):
+        module, block = net(cfg)
+    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
+    return predict_memory(
+        module,
+        lambda m: loss_of(m, cfg, 0, 0),
+        world_size=cfg.world,
+        shard_size=cfg.shard_size,
+        sharding_strategy=cfg.strategy,
+        mixed_precision=precision,
+        cpu_offload=CPUOffload(offload_params=cfg.offload),
+        auto_wrap_policy={block},
+        use_orig_params=cfg.orig,
+        backward_prefetch=cfg.backward_prefetch,
+        forward_prefetch=cfg.forward_prefetch,
+        hybrid_all_reduce=cfg.hybrid_all_reduce,
+        optimizer=cfg.optimizer,
+        accumulate=cfg.accumulate,
+        backend="gloo",
+    )
+
+
+def predicted_phases(prediction: Prediction, rank: int) -> dict[str, int]:
+    """The predicted peak of each of ``PHASES`` for global ``rank`` (its rank in the shard group)."""
+    memory = prediction.ranks[rank % len(prediction.ranks)]
+    out = {phase.value: memory.phase_peak(phase).bytes for phase in Phase}
+    out["after"] = sum(memory.after_step.values())
+    return out
+
+
+def compare(cfg: Config, steps: int) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """Per rank, (predicted, measured) bytes of each of ``PHASES``."""
+    prediction = predict(cfg)
+    ranks = run_world(cfg.world, measure_impls, (cfg, steps, ("ours",)), timeout=600)
+    return [(predicted_phases(prediction, rank), {k: out["ours"][k] for k in PHASES}) for rank, out in enumerate(ranks)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    print(f"{'configuration':<46} " + " ".join(f"{p:>21}" for p in PHASES))
+    print(f"{'':<46} " + " ".join(f"{'predicted / measured':>21}" for _ in PHASES))
+    worst = 0.0
+    for name in names:
+        rows = compare(CONFIGS[name], args.steps)
+        rank = max(range(len(rows)), key=lambda r: rows[r][1]["backward"])
+        predicted, measured = rows[rank]
+        errors = [abs(p[k] / m[k] - 1) for p, m in rows for k in PHASES]
+        worst = max(worst, *errors)
+        cells = " ".join(f"{predicted[k]:>10,}/{measured[k]:<10,}" for k in PHASES)
+        print(f"{name:<46} {cells}  max err {max(errors):.2%}", flush=True)
+    print(f"largest error over every rank and phase: {worst:.3%}")
+
+
+if __name__ == "__main__":
+    main()
