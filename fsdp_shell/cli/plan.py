@@ -4,9 +4,10 @@ Shows the plan, its communication volume, the verifier's verdict, the device mem
 (``fsdp_core.memory.plan_memory``: on device streams for ``--backend nccl``, on the CPU runtime
 for ``gloo``) and a simulated timeline, or one JSON object with ``--json``. With ``--units N``
 (N > 1) of a sharded strategy it also shows the all-gather schedule of N equal units in a
-chain, its verdict, and the backward all-gathers in the timeline. Exit status: 0 when
-everything is sound, 1 when a verifier finds a problem, 2 for an invalid configuration (one
-line on stderr).
+chain, its verdict, and the backward all-gathers in the timeline. With ``--model SPEC`` it
+shows a whole model instead (``fsdp_shell.predict``): its units and every phase's memory per
+rank, by category, predicted without a process group. Exit status: 0 when everything is
+sound, 1 when a verifier finds a problem, 2 for an invalid configuration (one line on stderr).
 """
 
 from __future__ import annotations
@@ -55,8 +56,18 @@ from fsdp_core.memory import Executor, PlanMemory, plan_memory  # noqa: E402
 from fsdp_core.problems import JsonValue  # noqa: E402
 from fsdp_core.sim import CostModel, describe_cost, format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
 from fsdp_shell.cli.parser import OneLineErrorParser, console_script  # noqa: E402
+from fsdp_shell.predict import Prediction, predict_memory  # noqa: E402
+from fsdp_shell.predict.report import format_prediction, prediction_to_json  # noqa: E402
+from fsdp_shell.predict.spec import LoadedModel, load_model  # noqa: E402
 
-__all__ = ["main", "parse_backward_prefetch", "parse_dtype", "plan_from_args", "unshard_from_args"]
+__all__ = [
+    "main",
+    "parse_backward_prefetch",
+    "parse_dtype",
+    "plan_from_args",
+    "predict_from_args",
+    "unshard_from_args",
+]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -186,6 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --units > 1: prefetch the next unit's parameters in forward",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    model = p.add_argument_group("a whole model (--model)")
+    model.add_argument(
+        "--model",
+        default=None,
+        metavar="SPEC",
+        help="predict a whole model's memory per rank: demo, gpt2-tiny, llama-tiny, gpt2, llama-7b, a Hugging Face "
+        "config.json, or package.module:factory",
+    )
+    model.add_argument(
+        "--wrap",
+        default="",
+        help="comma-separated module classes that become units (default: the model's transformer blocks)",
+    )
+    model.add_argument("--batch-size", type=_positive, default=8, help="sequences per rank per backward (default 8)")
+    model.add_argument(
+        "--seq", type=_positive, default=None, help="tokens per sequence (default: the model's context, at most 1024)"
+    )
+    model.add_argument("--input-shape", type=_numels, default=None, help="a plain module's input, e.g. 8,64")
+    model.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd or sgd_momentum")
+    model.add_argument(
+        "--grad-accum", type=_positive, default=1, help="backwards per step; all but the last in no_sync()"
+    )
     return p
 
 
@@ -311,11 +344,61 @@ def _memory_json(plan: Plan, executor: Executor) -> dict[str, JsonValue]:
     }
 
 
+def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel]:
+    """The whole-model prediction an ``fsdp-plan --model`` command line asks for; raises
+    ``ValueError``/``TypeError``."""
+    loaded = load_model(
+        str(args.model),
+        batch_size=args.batch_size,
+        seq=args.seq,
+        input_shape=args.input_shape,
+        wrap=[w.strip() for w in str(args.wrap).split(",") if w.strip()],
+    )
+    mp = MixedPrecision(
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+        keep_low_precision_grads=args.keep_low_precision_grads,
+    )
+    prediction = predict_memory(
+        loaded.module,
+        loaded.step,
+        world_size=args.world_size,
+        shard_size=args.shard_size,
+        sharding_strategy=str(args.strategy),
+        mixed_precision=mp,
+        cpu_offload=CPUOffload(offload_params=args.offload),
+        auto_wrap_policy=set(loaded.wrap) or None,
+        use_orig_params=args.use_orig_params,
+        backward_prefetch=parse_backward_prefetch(str(args.backward_prefetch)),
+        forward_prefetch=args.forward_prefetch,
+        hybrid_all_reduce=str(args.hybrid_all_reduce),
+        optimizer=str(args.optimizer),
+        accumulate=args.grad_accum,
+        backend=str(args.backend),
+    )
+    return prediction, loaded
+
+
+def _model_main(args: argparse.Namespace) -> int:
+    try:
+        prediction, loaded = predict_from_args(args)
+    except (ValueError, TypeError) as exc:
+        print(f"fsdp-plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(prediction_to_json(prediction, model=loaded.name, inputs=loaded.inputs), indent=2))
+    else:
+        print(format_prediction(prediction, model=loaded.name, inputs=loaded.inputs))
+    return 0
+
+
 @console_script("fsdp-plan")
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fsdp-plan``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model is not None:
+        return _model_main(args)
     try:
         if args.backward_ms < 0:
             raise ValueError(f"--backward-ms: expected >= 0, got {args.backward_ms}")

@@ -51,6 +51,8 @@ class Prediction:
     options: Options
     world_size: int
     backend: str
+    optimizer: OptimizerSpec
+    accumulate: int
 
     @property
     def worst_rank(self) -> int:
@@ -123,13 +125,14 @@ def predict_memory(
     )
     buffers = _buffer_bytes(module, options.mixed_precision.buffer_dtype, allocator)
     order = _optimizer_order(module, sites, owned, options.use_orig_params)
+    spec = OptimizerSpec(kind=kind, foreach=not gloo)
     ranks = tuple(
         model_memory(
             ModelMemoryRequest(
                 units=for_rank(units, rank),
                 root=len(units) - 1,
                 trace=trace,
-                optimizer=OptimizerSpec(kind=kind, foreach=not gloo),
+                optimizer=spec,
                 optimizer_order=order,
                 accumulate=accumulate,
                 backward_prefetch=options.backward_prefetch,
@@ -149,6 +152,8 @@ def predict_memory(
         options=options,
         world_size=world_size,
         backend=backend,
+        optimizer=spec,
+        accumulate=accumulate,
     )
 
 

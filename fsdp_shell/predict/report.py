@@ -1,0 +1,216 @@
+"""A prediction for people (``format_prediction``) and for programs (``prediction_to_json``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from fsdp_core import HookEvent
+from fsdp_core.memory import Category, Mark, ModelMemory, PhasePeak, UnitSpec
+from fsdp_core.problems import JsonValue
+from fsdp_shell.predict.model import Prediction
+
+__all__ = ["format_prediction", "prediction_to_json"]
+
+_UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30))
+
+
+def _unit_for(nbytes: int) -> tuple[str, int]:
+    """The largest unit in which ``nbytes`` is at least 10."""
+    name, size = _UNITS[0]
+    for candidate, scale in _UNITS:
+        if nbytes >= 10 * scale:
+            name, size = candidate, scale
+    return name, size
+
+
+_COLUMNS: tuple[tuple[Category, str, str], ...] = (
+    (Category.PARAMS_SHARDED, "params", "sharded"),
+    (Category.PARAMS_UNSHARDED, "params", "unsharded"),
+    (Category.GRADS_CARRIED, "grads", "carried"),
+    (Category.REDUCE, "reduce", ""),
+    (Category.OPTIMIZER_STATE, "optimizer", "state"),
+    (Category.OPTIMIZER_STEP, "optimizer", "step"),
+    (Category.AUTOGRAD, "autograd", ""),
+    (Category.BUFFERS, "buffers", ""),
+)
+
+
+def _where(p: Prediction, at: HookEvent | Mark | None) -> str:
+    """Where a peak was reached, for people."""
+    if at is None:
+        return "optimizer.step()"
+    if isinstance(at, Mark):
+        return at.value.replace("_", " ")
+    event, unit = at
+    name = event.value.replace("_", "-")
+    if unit < 0:
+        return name
+    path = p.paths[unit]
+    return f"{name} of unit {unit} ({path or 'the root'})"
+
+
+def _unsharded_bytes(u: UnitSpec) -> int:
+    return u.request.sharding.padded_numel(u.request.layout) * u.request.compute_dtype.itemsize
+
+
+def _units_table(p: Prediction) -> list[str]:
+    biggest = max(
+        u.request.sharding.padded_numel(u.request.layout) * u.request.compute_dtype.itemsize for u in p.units if u
+    )
+    name, scale = _unit_for(biggest)
+    lines = [f"  {'unit':>4}  {'module':<28} {'parameters':>14} {'shard elements':>15} {'unsharded ' + name:>14}"]
+    previous: tuple[int, int, int] | None = None
+    repeated: list[int] = []
+
+    def flush() -> None:
+        if len(repeated) > 1:
+            which = f"unit {repeated[1]}" if len(repeated) == 2 else f"units {repeated[1]}-{repeated[-1]}"
+            lines.append(f"  {'':>4}  ... {which} the same")
+
+    for index, u in enumerate(p.units):
+        if u is None:
+            continue
+        r = u.request
+        row = (r.layout.numel_without_padding, r.sharding.shard_numel(r.layout), r.sharding.padded_numel(r.layout))
+        unsharded = _unsharded_bytes(u) / scale
+        if row == previous and index != len(p.units) - 1:
+            repeated.append(index)
+            continue
+        flush()
+        repeated = [index]
+        previous = row
+        lines.append(f"  {index:>4}  {(u.name or '(root)')[:28]:<28} {row[0]:>14,} {row[1]:>15,} {unsharded:>14,.1f}")
+    flush()
+    return lines
+
+
+def _peak_row(p: Prediction, peak: PhasePeak, label: str, scale: int) -> str:
+    cells = " ".join(f"{peak.breakdown.get(c, 0) / scale:>9,.1f}" for c, _, _ in _COLUMNS)
+    return f"  {label:<20} {peak.bytes / scale:>10,.1f}  {cells}  {_where(p, peak.at)}"
+
+
+def _memory_table(p: Prediction, memory: ModelMemory) -> list[str]:
+    name, scale = _unit_for(memory.peak.bytes)
+    head1 = " ".join(f"{a:>9}" for _, a, _ in _COLUMNS)
+    head2 = " ".join(f"{b:>9}" for _, _, b in _COLUMNS)
+    lines = [f"  {'phase':<20} {'total ' + name:>10}  {head1}  reached at", f"  {'':<20} {'':>10}  {head2}"]
+    accumulate = max(pk.micro for pk in memory.peaks) + 1
+    for peak in memory.peaks:
+        label = peak.phase.value
+        if accumulate > 1 and peak.micro >= 0:
+            label += " (sync)" if peak.micro == accumulate - 1 else f" (no_sync {peak.micro + 1})"
+        lines.append(_peak_row(p, peak, label, scale))
+    after = memory.after_step
+    cells = " ".join(f"{after.get(c, 0) / scale:>9,.1f}" for c, _, _ in _COLUMNS)
+    lines.append(f"  {'between steps':<20} {sum(after.values()) / scale:>10,.1f}  {cells}")
+    return lines
+
+
+def _strategy(p: Prediction) -> str:
+    units = [u for u in p.units if u is not None]
+    sharding = units[0].request.sharding
+    strategy = sharding.strategy.name
+    if sharding.strategy.is_hybrid:
+        return f"{strategy}, {sharding.replicate_size} replicas of {sharding.shard_size} ranks"
+    return strategy
+
+
+def format_prediction(p: Prediction, *, model: str, inputs: str) -> str:
+    """The units, then every phase's peak for the worst rank by category, where it is reached,
+    and the spread over ranks."""
+    units = [u for u in p.units if u is not None]
+    o = p.options
+    first = units[0].request
+    mp = first.mixed_precision
+    precision = (
+        f"compute {first.compute_dtype}, reduce {first.reduce_dtype}".replace("torch.", "")
+        if mp.param_dtype is not None or mp.reduce_dtype is not None
+        else f"{first.layout.dtype}".replace("torch.", "")
+    )
+    runtime = (
+        "the CPU runtime (gloo: exact bytes)"
+        if p.backend == "gloo"
+        else "an accelerator (nccl: device streams, the caching allocator's 512-byte blocks)"
+    )
+    total = sum(u.request.layout.numel_without_padding for u in units)
+    worst = p.worst
+    peaks = [m.peak.bytes for m in p.ranks]
+    lines = [
+        f"model: {model}, {total:,} parameters in {len(units)} units; each rank's batch: {inputs}",
+        f"world {p.world_size}: {_strategy(p)}; {precision}; {p.optimizer.kind.value}; "
+        f"offload {o.offload.offload_params}; use_orig_params {o.use_orig_params}; "
+        f"backward_prefetch {o.backward_prefetch.name if o.backward_prefetch else None}; "
+        f"forward_prefetch {o.forward_prefetch}; {p.accumulate} backward(s) per step",
+        f"predicted for {runtime}, steady state",
+        "",
+        "units (shard rank 0):",
+        *_units_table(p),
+        "",
+        f"memory of the worst rank (shard rank {p.worst_rank}), by phase:",
+        *_memory_table(p, worst),
+        "",
+        f"peak: {_amount(worst.peak.bytes)} ({worst.peak.bytes:,} B) in {worst.peak.phase.value}, at "
+        f"{_where(p, worst.peak.at)}; the {len(p.ranks)} shard rank(s) peak at "
+        f"{_amount(min(peaks))}-{_amount(max(peaks))}",
+    ]
+    return "\n".join(lines)
+
+
+def _amount(nbytes: int) -> str:
+    name, scale = _unit_for(nbytes)
+    return f"{nbytes / scale:,.1f} {name}" if scale > 1 else f"{nbytes} B"
+
+
+def _breakdown(parts: Mapping[Category, int]) -> dict[str, JsonValue]:
+    return {c.value: v for c, v in parts.items()}
+
+
+def _unit_json(u: UnitSpec | None, path: str) -> JsonValue:
+    if u is None:
+        return {"module": path, "parameters": 0}
+    r = u.request
+    return {
+        "module": path,
+        "parameters": r.layout.numel_without_padding,
+        "flat_numel": r.layout.total_numel,
+        "shard_numel": r.sharding.shard_numel(r.layout),
+        "padded_numel": r.sharding.padded_numel(r.layout),
+        "dtype": str(r.layout.dtype).removeprefix("torch."),
+        "compute_dtype": str(r.compute_dtype).removeprefix("torch."),
+    }
+
+
+def _peak_json(p: Prediction, peak: PhasePeak) -> JsonValue:
+    at = peak.at
+    return {
+        "phase": peak.phase.value,
+        "micro": peak.micro,
+        "bytes": peak.bytes,
+        "at": None if at is None else (at.value if isinstance(at, Mark) else at.event.value),
+        "unit": peak.unit,
+        "where": _where(p, at),
+        "breakdown": _breakdown(peak.breakdown),
+    }
+
+
+def prediction_to_json(p: Prediction, *, model: str, inputs: str) -> dict[str, JsonValue]:
+    """Everything ``format_prediction`` shows, every rank's peaks included, in bytes."""
+    ranks: list[JsonValue] = [
+        {
+            "shard_rank": rank,
+            "peaks": [_peak_json(p, pk) for pk in m.peaks],
+            "after_step": _breakdown(m.after_step),
+            "peak": m.peak.bytes,
+        }
+        for rank, m in enumerate(p.ranks)
+    ]
+    units: Sequence[JsonValue] = [_unit_json(u, path) for u, path in zip(p.units, p.paths)]
+    return {
+        "model": model,
+        "inputs": inputs,
+        "world_size": p.world_size,
+        "backend": p.backend,
+        "units": list(units),
+        "worst_rank": p.worst_rank,
+        "ranks": ranks,
+    }
