@@ -23,7 +23,6 @@ end of backward. FSDP's own collectives of each step turn a backend's timeout in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, assert_never
@@ -31,25 +30,23 @@ from typing import Any, assert_never
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from fsdp_core import Event, HookEvent, MixedPrecision, step_flags
+from fsdp_core import Event, HookEvent, step_flags
 from fsdp_shell.runtime.interpreter import PlanRun
 from fsdp_shell.runtime.log import Phase
 from fsdp_shell.safety.agreement import RankMismatchError, check_agreement, check_same_events
 from fsdp_shell.safety.timeouts import translating_timeouts
 from fsdp_shell.tree import IterationState, Tree
+from fsdp_shell.units.forward_io import cast_inputs, tensors_in
 
 __all__ = [
     "abandon_backward",
-    "cast_inputs",
     "end_of_backward",
     "forward",
     "install",
     "post_backward",
     "pre_backward",
     "run_virtually",
-    "tensors_in",
 ]
 
 
@@ -152,28 +149,6 @@ def _cast_inputs(
     return cast_inputs(
         tree.options.mixed_precision, args, kwargs, has_params=tree.handles[unit] is not None, is_root=unit == tree.root
     )
-
-
-def cast_inputs(
-    mp: MixedPrecision, args: tuple[Any, ...], kwargs: dict[str, Any], *, has_params: bool, is_root: bool
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """FSDP1's input casts: a unit with parameters casts its floating-point inputs to
-    ``param_dtype`` with ``cast_forward_inputs``, the root with ``cast_root_forward_inputs``
-    (the default) too."""
-    low = mp.param_dtype
-    cast = mp.cast_forward_inputs and has_params
-    if is_root:
-        cast = cast or mp.cast_root_forward_inputs
-    if low is None or not cast:
-        return args, kwargs
-    cast_args: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(lambda x: _cast_floating(x, low), (args, kwargs))
-    return cast_args
-
-
-def _cast_floating(x: object, dtype: torch.dtype) -> object:
-    if isinstance(x, torch.Tensor) and torch.is_floating_point(x):
-        return x.to(dtype)
-    return x
 
 
 # -- backward -----------------------------------------------------------------------------------
@@ -358,18 +333,3 @@ def _waiting(tree: Tree, unit: int, step: str) -> Iterator[None]:
         translating_timeouts(step, where, sequenced=tree.options.ranks_may_diverge),
     ):
         yield
-
-
-def tensors_in(out: object) -> Iterator[torch.Tensor]:
-    """The tensors in a forward's output, as FSDP1's ``_apply_to_tensors`` finds them: pytree
-    containers (tuples, lists, dicts, namedtuples, Hugging Face ``ModelOutput``) and dataclasses."""
-    seen: set[int] = set()
-    stack = [out]
-    while stack:
-        leaves, _ = tree_flatten(stack.pop())
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                yield leaf
-            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
-                seen.add(id(leaf))
-                stack.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))

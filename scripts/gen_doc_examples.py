@@ -18,15 +18,17 @@ The marker's kind says what is printed for the example named after the colon:
 - ``schedule``: ``format_unshard(schedule)`` for an all-gather schedule of ``SCHEDULES``;
 - ``unshard_problems``: ``check_unshard(schedule)``, one problem per line (``(sound)`` when none);
 - ``sim``: what ``fsdp-sim`` prints for a name of ``SIM_BLOCKS``: the seed table
-  (``format_seed_table``), or one row's timeline (``format_seed_timeline``).
+  (``format_seed_table``), or one row's timeline (``format_seed_timeline``);
+- ``cli``: what ``fsdp-plan`` prints for the command line of ``CLI_BLOCKS`` (a whole model's
+  predicted memory, ``--model``), exactly.
 
 Usage::
 
     python scripts/gen_doc_examples.py           # rewrite every stale block in place
     python scripts/gen_doc_examples.py --check   # exit 1 and name every stale block
 
-Examples are built through ``fsdp_core``'s public API only; nothing here reads a plan from
-the documents.
+Examples are built through ``fsdp_core``'s public API (and ``fsdp-plan``'s entry point for
+``cli``); nothing here reads a plan from the documents.
 """
 
 from __future__ import annotations
@@ -432,6 +434,33 @@ SIM_BLOCKS: Mapping[str, Callable[[], str]] = {
 """Every ``fsdp-sim`` output a document may show."""
 
 
+_FIT_7B = (
+    *("--model", "llama-7b", "--world-size", "64", "--strategy", "HYBRID_SHARD", "--shard-size", "8"),
+    *("--param-dtype", "bf16", "--reduce-dtype", "fp32", "--batch-size", "1", "--seq", "4096"),
+)
+
+CLI_BLOCKS: Mapping[str, tuple[str, ...]] = {
+    # docs/user-guide.md, "Will it fit?": Llama 2 7B on 64 GPUs as 8 x 8 HSDP with bf16
+    "fit_7b_hsdp": _FIT_7B,
+    "fit_7b_hsdp_no_sync": (*_FIT_7B, "--grad-accum", "4"),
+}
+"""Every ``fsdp-plan`` command line a document shows the output of (without ``fsdp-plan``)."""
+
+
+def _cli(argv: Sequence[str]) -> str:
+    import contextlib
+    import io
+
+    from fsdp_shell.cli.plan import main as plan_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = plan_main(list(argv))
+    if status != 0:
+        raise RuntimeError(f"fsdp-plan {' '.join(argv)} exited {status}")
+    return out.getvalue()
+
+
 # -- rendering ----------------------------------------------------------------------------------
 
 
@@ -492,6 +521,8 @@ def _known(kind: str, name: str) -> str | None:
         return None if name in SCHEDULES else "example"
     if kind == "sim":
         return None if name in SIM_BLOCKS else "example"
+    if kind == "cli":
+        return None if name in CLI_BLOCKS else "example"
     return "kind"
 
 
@@ -499,6 +530,8 @@ def render(kind: str, name: str) -> str:
     """The body of block ``kind:name``: a fenced ``text`` block ending in a newline."""
     if kind == "sim":
         text = SIM_BLOCKS[name]().rstrip("\n")
+    elif kind == "cli":
+        text = _cli(CLI_BLOCKS[name]).rstrip("\n")
     elif kind in SCHEDULE_KINDS:
         text = SCHEDULE_KINDS[kind](SCHEDULES[name]).rstrip("\n")
     else:

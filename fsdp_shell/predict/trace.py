@@ -25,10 +25,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_core import Event, HookEvent, MixedPrecision, PlanRequest
 from fsdp_core.memory.model_memory import ActivationTrace, Mark, TracePoint
-from fsdp_shell.hooks import cast_inputs, tensors_in
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.memory.live import Window
 from fsdp_shell.units.flat_param import OrigParam, split_views
+from fsdp_shell.units.forward_io import cast_inputs, tensors_in
 
 __all__ = ["StepFn", "TraceUnit", "record_trace"]
 
