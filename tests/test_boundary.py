@@ -53,6 +53,26 @@ def test_the_clis_that_need_no_process_group_load_no_training_runtime() -> None:
     assert out.stdout.strip() == "[] ['fsdp_shell']"
 
 
+def test_fsdp_plan_model_loads_no_wrapper_hooks_or_runtime() -> None:
+    """``fsdp-plan --model`` builds units with the wrapper's own code (``fsdp_shell.units.build``)
+    and makes no process group: neither the wrapper, its hooks, its tree nor a runtime that runs
+    plans is loaded. (Building a model under ``torch.device("meta")`` makes torch import some
+    ``torch.distributed`` modules of its own.)"""
+    code = (
+        "import sys, io, contextlib, torch\n"
+        "from fsdp_shell.cli.plan import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['--model', 'demo', '--world-size', '2', '--batch-size', '1', '--seq', '8']) == 0\n"
+        "print(torch.distributed.is_initialized(), sorted(m for m in sys.modules if m.startswith('fsdp_shell')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    initialized, shell = out.stdout.strip().split(" ", 1)
+    assert initialized == "False"
+    for module in ("fsdp", "hooks", "tree", "runtime.cpu", "runtime.accelerator", "runtime.interpreter"):
+        assert f"'fsdp_shell.{module}'" not in shell, module
+    assert "'fsdp_shell.units.build'" in shell and "'fsdp_shell.predict.trace'" in shell
+
+
 def test_only_the_runtime_names_torch_cuda() -> None:
     """Every device-specific line of the library is in ``fsdp_shell/runtime/``, and none of it
     names CUDA: the accelerator runtime is written against torch's device-generic API, and the

@@ -17,6 +17,7 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 # torch warns at import when NumPy is missing; fsdp-plan never touches NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
@@ -56,9 +57,10 @@ from fsdp_core.memory import Executor, PlanMemory, plan_memory  # noqa: E402
 from fsdp_core.problems import JsonValue  # noqa: E402
 from fsdp_core.sim import CostModel, describe_cost, format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
 from fsdp_shell.cli.parser import OneLineErrorParser, console_script  # noqa: E402
-from fsdp_shell.predict import Prediction, predict_memory  # noqa: E402
-from fsdp_shell.predict.report import format_prediction, prediction_to_json  # noqa: E402
-from fsdp_shell.predict.spec import LoadedModel, load_model  # noqa: E402
+
+if TYPE_CHECKING:
+    from fsdp_shell.predict import Prediction
+    from fsdp_shell.predict.spec import LoadedModel
 
 __all__ = [
     "main",
@@ -346,7 +348,11 @@ def _memory_json(plan: Plan, executor: Executor) -> dict[str, JsonValue]:
 
 def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel]:
     """The whole-model prediction an ``fsdp-plan --model`` command line asks for; raises
-    ``ValueError``/``TypeError``."""
+    ``ValueError``/``TypeError``. Loads ``fsdp_shell.predict`` (the unit-building code, no
+    process group) only then: the plan of one flat parameter needs none of it."""
+    from fsdp_shell.predict import predict_memory
+    from fsdp_shell.predict.spec import load_model
+
     loaded = load_model(
         str(args.model),
         batch_size=args.batch_size,
@@ -380,6 +386,8 @@ def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel
 
 
 def _model_main(args: argparse.Namespace) -> int:
+    from fsdp_shell.predict.report import format_prediction, prediction_to_json
+
     try:
         prediction, loaded = predict_from_args(args)
     except (ValueError, TypeError) as exc:
