@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 import torch
 
@@ -95,7 +96,8 @@ def optimizer_state_bytes(
         case OptimizerKind.ADAM | OptimizerKind.ADAMW:
             counter = allocator.size(STEP_COUNTER_BYTES) if host_is_device else 0
             return sum(2 * allocator.size(t.nbytes) + counter for t in tensors)
-    raise AssertionError(spec.kind)
+        case _:
+            assert_never(spec.kind)
 
 
 def optimizer_step_bytes(spec: OptimizerSpec, tensors: Sequence[OptimizedTensor], allocator: Allocator = EXACT) -> int:

@@ -113,28 +113,27 @@ def _built_in(name: str) -> nn.Module:
             return TinyLM(ModelConfig())
         tf = _transformers()
         config: Any
-        match name:
-            case "gpt2-tiny":
-                config = tf.GPT2Config(
-                    vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
-                )
-            case "llama-tiny":
-                config = tf.LlamaConfig(
-                    vocab_size=64,
-                    hidden_size=16,
-                    intermediate_size=32,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=32,
-                    bos_token_id=0,
-                    eos_token_id=0,
-                    pad_token_id=0,
-                )
-            case "gpt2":
-                config = tf.GPT2Config()
-            case _:
-                config = tf.LlamaConfig()
+        if name == "gpt2-tiny":
+            config = tf.GPT2Config(
+                vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+            )
+        elif name == "llama-tiny":
+            config = tf.LlamaConfig(
+                vocab_size=64,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+            )
+        elif name == "gpt2":
+            config = tf.GPT2Config()
+        else:
+            config = tf.LlamaConfig()
         module: nn.Module = tf.AutoModelForCausalLM.from_config(config)
         return module
 
