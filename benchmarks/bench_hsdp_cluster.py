@@ -71,7 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_core import ShardingStrategy
+from fsdp_core import HybridAllReduce, ShardingStrategy
 from fsdp_core.sim import (
     Collective,
     CollectiveSample,
@@ -80,7 +80,6 @@ from fsdp_core.sim import (
     Load,
     MeasuredUnit,
     Measurements,
-    Schedule,
     SharingSample,
     SlowdownSample,
     format_iteration,
@@ -88,6 +87,7 @@ from fsdp_core.sim import (
     links_from_measurements,
     model_from_measurements,
     simulate_iteration,
+    unit_plans,
 )
 from fsdp_shell import FSDP
 
@@ -484,19 +484,21 @@ def _mean_record(records: Sequence[R]) -> R:
 
 
 def _simulate(measured: Measurements) -> dict[str, IterationTimeline]:
-    """The simulated iteration of our three configurations from the calibration."""
-    model = model_from_measurements(measured)
+    """The simulated iteration of our three configurations from the calibration, each with the
+    post-backward plans it runs (2 nodes of ``ranks_per_node``)."""
+    world = 2 * measured.ranks_per_node
+    units = len(measured.units)
+    plans = {
+        "ours-full": unit_plans(units, ShardingStrategy.FULL_SHARD, world),
+        "ours-hybrid-sync": unit_plans(
+            units, ShardingStrategy.HYBRID_SHARD, world, measured.ranks_per_node, hybrid_all_reduce=HybridAllReduce.SYNC
+        ),
+        "ours-hybrid-async": unit_plans(units, ShardingStrategy.HYBRID_SHARD, world, measured.ranks_per_node),
+    }
     # gloo runs a group's asynchronous collectives side by side on its worker threads: FSDP's
     # backward all-gather and reduce-scatter of one group overlap (and share their link).
     links = links_from_measurements(measured, one_collective_per_group=False)
-    return {
-        config: simulate_iteration(model, schedule, links)
-        for config, schedule in (
-            ("ours-full", Schedule.FSDP),
-            ("ours-hybrid-sync", Schedule.HSDP_SYNC),
-            ("ours-hybrid-async", Schedule.HSDP_ASYNC),
-        )
-    }
+    return {config: simulate_iteration(model_from_measurements(measured, p), links) for config, p in plans.items()}
 
 
 def _write_simulated(

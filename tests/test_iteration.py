@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from fsdp_core import BackwardPrefetch, Stream
+from fsdp_core import BackwardPrefetch, HybridAllReduce, Plan, ShardingStrategy, Stream
 from fsdp_core.sim import (
     ACTIVITY_MARKS,
     SEED_PARAMETERS,
@@ -27,7 +27,6 @@ from fsdp_core.sim import (
     Load,
     MeasuredUnit,
     Measurements,
-    Schedule,
     SeedParameters,
     SharingSample,
     SimTask,
@@ -45,6 +44,7 @@ from fsdp_core.sim import (
     seed_calibration,
     seed_model,
     simulate_iteration,
+    unit_plans,
 )
 
 F = Fraction
@@ -185,13 +185,32 @@ NOTHING = CollectiveCosts(
 )
 
 
+FSDP, HSDP_SYNC, HSDP_ASYNC = "fsdp", "hsdp_sync", "hsdp_async"
+"""Three ways to run the small model on 2 nodes of 8 ranks: ``FULL_SHARD`` over all 16, or
+``HYBRID_SHARD`` with a shard group per node and the all-reduce sync or async."""
+
+
+def plans_of(kind: str, units: int = 3) -> tuple[Plan, ...]:
+    if kind == FSDP:
+        return unit_plans(units, ShardingStrategy.FULL_SHARD, 16)
+    placement = HybridAllReduce.SYNC if kind == HSDP_SYNC else HybridAllReduce.ASYNC
+    return unit_plans(units, ShardingStrategy.HYBRID_SHARD, 16, 8, hybrid_all_reduce=placement)
+
+
 def small(
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE, forward_prefetch: bool = False
+    kind: str = HSDP_ASYNC,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
 ) -> IterationModel:
-    """A root without cost wrapping two units of forward 1 ms, backward 2 ms."""
+    """A root without cost wrapping two units of forward 1 ms, backward 2 ms, run as ``kind``."""
     root = UnitCosts(name="root", forward_ms=0, backward_ms=0, collectives=NOTHING)
     units = tuple(UnitCosts(name=f"u{i}", forward_ms=1, backward_ms=2, collectives=COSTS) for i in (1, 2))
-    return IterationModel(units=(root, *units), backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+    return IterationModel(
+        units=(root, *units),
+        plans=plans_of(kind),
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+    )
 
 
 def at(timeline: IterationTimeline, activity: Activity, unit: int) -> tuple[float, float]:
@@ -200,7 +219,7 @@ def at(timeline: IterationTimeline, activity: Activity, unit: int) -> tuple[floa
 
 
 def test_hsdp_async_by_hand() -> None:
-    t = simulate_iteration(small(), Schedule.HSDP_ASYNC)
+    t = simulate_iteration(small(HSDP_ASYNC))
     # Forward: no forward prefetch, so each all-gather is issued when the previous forward ends.
     assert at(t, Activity.FORWARD_ALL_GATHER, 1) == (0, 3) and at(t, Activity.FORWARD, 1) == (3, 4)
     assert at(t, Activity.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Activity.FORWARD, 2) == (7, 8)
@@ -220,18 +239,18 @@ def test_hsdp_async_by_hand() -> None:
 
 
 def test_sync_the_next_reduce_scatter_waits_for_the_all_reduce_async_does_not() -> None:
-    sync = simulate_iteration(small(), Schedule.HSDP_SYNC)
+    sync = simulate_iteration(small(HSDP_SYNC))
     assert at(sync, Activity.ALL_REDUCE, 2) == (17, 37)
     assert at(sync, Activity.REDUCE_SCATTER, 1) == (37, 40)
     assert at(sync, Activity.ALL_REDUCE, 1) == (40, 60)
     assert sync.iteration_ms == 60
     assert sync.find(Activity.ALL_REDUCE, 1).stream is Stream.POST_BACKWARD
-    asynchronous = simulate_iteration(small(), Schedule.HSDP_ASYNC)
+    asynchronous = simulate_iteration(small(HSDP_ASYNC))
     assert asynchronous.find(Activity.REDUCE_SCATTER, 1).start_ms < asynchronous.find(Activity.ALL_REDUCE, 2).end_ms
 
 
 def test_fsdp_by_hand_all_gathers_and_reduce_scatters_take_turns_on_the_shard_group() -> None:
-    t = simulate_iteration(small(), Schedule.FSDP)
+    t = simulate_iteration(small(FSDP))
     assert at(t, Activity.FORWARD_ALL_GATHER, 1) == (0, 10) and at(t, Activity.FORWARD_ALL_GATHER, 2) == (11, 21)
     assert at(t, Activity.BACKWARD_ALL_GATHER, 2) == (22, 32)
     assert at(t, Activity.BACKWARD_ALL_GATHER, 1) == (32, 42)
@@ -245,14 +264,14 @@ def test_fsdp_by_hand_all_gathers_and_reduce_scatters_take_turns_on_the_shard_gr
 
 
 def test_fsdp_with_concurrent_collectives_shares_the_inter_node_link() -> None:
-    shared = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False))
+    shared = simulate_iteration(small(FSDP), LinkModel(one_collective_per_group=False))
     # u2's reduce-scatter starts when u2's backward ends (34); u1's all-gather has 8 ms left: both
     # at half speed until it ends at 50; the reduce-scatter's last 2 ms alone: 52.
     assert at(shared, Activity.REDUCE_SCATTER, 2) == (34, 52)
     assert at(shared, Activity.BACKWARD_ALL_GATHER, 1) == (32, 50)
     assert at(shared, Activity.BACKWARD, 1) == (50, 52)
     assert shared.iteration_ms == 62  # ideal sharing loses nothing
-    lossy = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False, contention=2))
+    lossy = simulate_iteration(small(FSDP), LinkModel(one_collective_per_group=False, contention=2))
     # Shared, each at a quarter: the all-gather's 8 ms end at 66, the reduce-scatter's 2 left at 68.
     assert at(lossy, Activity.BACKWARD_ALL_GATHER, 1) == (32, 66)
     assert at(lossy, Activity.REDUCE_SCATTER, 2) == (34, 68)
@@ -260,7 +279,7 @@ def test_fsdp_with_concurrent_collectives_shares_the_inter_node_link() -> None:
 
 
 def test_hsdp_async_cross_link_slowdown_by_hand() -> None:
-    t = simulate_iteration(small(), Schedule.HSDP_ASYNC, LinkModel(cross_link_slowdown=2))
+    t = simulate_iteration(small(HSDP_ASYNC), LinkModel(cross_link_slowdown=2))
     # u2's reduce-scatter (14-17) ends before any all-reduce starts: as without the slowdown.
     assert at(t, Activity.REDUCE_SCATTER, 2) == (14, 17) and at(t, Activity.ALL_REDUCE, 2) == (17, 37)
     # u1's reduce-scatter runs beside u2's all-reduce: its 3 ms at half speed.
@@ -271,7 +290,7 @@ def test_hsdp_async_cross_link_slowdown_by_hand() -> None:
 
 def test_hsdp_async_compute_slowdown_by_hand() -> None:
     intra = LinkModel(compute_slowdown=ComputeSlowdown(all_gather_intra=2, reduce_scatter_intra=2))
-    t = simulate_iteration(small(), Schedule.HSDP_ASYNC, intra)
+    t = simulate_iteration(small(HSDP_ASYNC), intra)
     # Forward: every all-gather runs while no compute does.
     assert at(t, Activity.FORWARD_ALL_GATHER, 2) == (4, 7) and at(t, Activity.BACKWARD_ALL_GATHER, 2) == (8, 11)
     # u1's prefetch beside u2's backward (11-13) at half speed (1 ms of work), then 2 ms alone: 15.
@@ -282,17 +301,15 @@ def test_hsdp_async_compute_slowdown_by_hand() -> None:
     assert at(t, Activity.ALL_REDUCE, 2) == (19, 39) and at(t, Activity.REDUCE_SCATTER, 1) == (19, 22)
     assert at(t, Activity.ALL_REDUCE, 1) == (39, 59) and t.iteration_ms == 59
     # Inter-node collectives only (FSDP): the intra-node factors change nothing.
-    assert simulate_iteration(small(), Schedule.FSDP, intra) == dataclasses.replace(
-        simulate_iteration(small(), Schedule.FSDP), links=intra
-    )
+    assert simulate_iteration(small(FSDP), intra) == dataclasses.replace(simulate_iteration(small(FSDP)), links=intra)
     # Each collective by its own factor: only the all-reduce (inter-node, never beside compute
     # here) slowed: nothing moves.
     reduce = LinkModel(compute_slowdown=ComputeSlowdown(all_reduce_inter=3))
-    assert simulate_iteration(small(), Schedule.HSDP_ASYNC, reduce).iteration_ms == 57
+    assert simulate_iteration(small(HSDP_ASYNC), reduce).iteration_ms == 57
 
 
 def test_fsdp_compute_slowdown_by_hand() -> None:
-    t = simulate_iteration(small(), Schedule.FSDP, LinkModel(compute_slowdown=ComputeSlowdown(all_gather_inter=2)))
+    t = simulate_iteration(small(FSDP), LinkModel(compute_slowdown=ComputeSlowdown(all_gather_inter=2)))
     # u1's backward all-gather (32-42 unslowed) runs beside u2's backward (32-34) at half speed:
     # 1 ms of work, the other 9 alone: 32-43. Reduce-scatters are not slowed.
     assert at(t, Activity.BACKWARD_ALL_GATHER, 1) == (32, 43)
@@ -301,9 +318,9 @@ def test_fsdp_compute_slowdown_by_hand() -> None:
 
 
 def test_backward_pre_prefetch_overlaps_the_next_all_gather_with_backward() -> None:
-    pre = simulate_iteration(small(), Schedule.FSDP)
+    pre = simulate_iteration(small(FSDP))
     assert pre.find(Activity.BACKWARD_ALL_GATHER, 1).start_ms < pre.find(Activity.BACKWARD, 2).end_ms
-    none = simulate_iteration(small(backward_prefetch=None), Schedule.FSDP)
+    none = simulate_iteration(small(FSDP, backward_prefetch=None))
     # Each unit gathers in its own pre-backward: u1's all-gather is issued when u2's backward
     # ends (34) and queues behind u2's reduce-scatter on the shard group.
     assert at(none, Activity.BACKWARD_ALL_GATHER, 2) == (22, 32)
@@ -313,24 +330,22 @@ def test_backward_pre_prefetch_overlaps_the_next_all_gather_with_backward() -> N
 
 
 def test_backward_post_prefetches_before_the_reduce_scatter_as_fsdp1() -> None:
-    post = simulate_iteration(small(backward_prefetch=BackwardPrefetch.BACKWARD_POST), Schedule.FSDP)
+    post = simulate_iteration(small(FSDP, backward_prefetch=BackwardPrefetch.BACKWARD_POST))
     assert at(post, Activity.BACKWARD_ALL_GATHER, 1) == (34, 44)
     assert at(post, Activity.REDUCE_SCATTER, 2) == (44, 54)
     assert post.iteration_ms == 64
 
 
 def test_forward_prefetch_issues_the_next_all_gather_before_the_forward() -> None:
-    t = simulate_iteration(small(forward_prefetch=True), Schedule.FSDP)
+    t = simulate_iteration(small(FSDP, forward_prefetch=True))
     assert at(t, Activity.FORWARD_ALL_GATHER, 2) == (10, 20)
     assert at(t, Activity.FORWARD, 1) == (10, 11) and at(t, Activity.FORWARD, 2) == (20, 21)
 
 
 def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> None:
-    for schedule in Schedule:
-        t = simulate_iteration(seed_model(), schedule)
-        assert t == simulate_iteration(seed_model(), schedule) and hash(t) == hash(
-            simulate_iteration(seed_model(), schedule)
-        )
+    for row in SEED_ROWS:
+        t = simulate_iteration(seed_model(row=row))
+        assert t == simulate_iteration(seed_model(row=row)) and hash(t) == hash(simulate_iteration(seed_model(row=row)))
         for stream in Stream:
             mine = t.on(stream)
             assert all(a.end_ms <= b.start_ms for a, b in itertools.pairwise(mine))
@@ -357,8 +372,12 @@ def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> N
             "forward_ms",
         ),
         (lambda: UnitCosts(name="", forward_ms=0, backward_ms=0, collectives=NOTHING), ValueError, "name"),
-        (lambda: IterationModel(units=()), TypeError, "units"),
-        (lambda: IterationModel(units=(small().units[1], small().units[1])), ValueError, "unique"),
+        (lambda: IterationModel(units=(), plans=()), TypeError, "units"),
+        (
+            lambda: IterationModel(units=(small().units[1], small().units[1]), plans=plans_of(FSDP, 2)),
+            ValueError,
+            "unique",
+        ),
         (lambda: LinkModel(contention=0.5), ValueError, "contention"),
         (lambda: LinkModel(inter_node_bandwidth=0), ValueError, "inter_node_bandwidth"),
         (lambda: LinkModel(intra_node_bandwidth=float("inf")), ValueError, "intra_node_bandwidth"),
@@ -368,7 +387,13 @@ def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> N
         (lambda: ComputeSlowdown(reduce_scatter_inter=0.5), ValueError, "reduce_scatter_inter"),
         (lambda: LinkModel(compute_slowdown=2.0), TypeError, "compute_slowdown"),  # type: ignore[arg-type]
         (lambda: ComputeSlowdown().of(Activity.FORWARD, INTRA), ValueError, "collective"),
-        (lambda: Schedule.parse("ddp"), ValueError, "schedule"),
+        (lambda: IterationModel(units=small().units, plans=plans_of(FSDP, 2)), ValueError, "one per unit"),
+        (
+            lambda: IterationModel(units=small().units[:2], plans=(*plans_of(FSDP, 1), *plans_of(HSDP_SYNC, 1))),
+            ValueError,
+            "same sharding",
+        ),
+        (lambda: IterationModel(units=small().units, plans=plans_of(FSDP), ranks_per_node=0), ValueError, "ranks"),
     ],
 )
 def test_bad_inputs_fail_at_construction(build: object, error: type[Exception], fragment: str) -> None:
@@ -377,8 +402,34 @@ def test_bad_inputs_fail_at_construction(build: object, error: type[Exception], 
         build()
 
 
-def test_schedule_parse() -> None:
-    assert Schedule.parse("hsdp-async") is Schedule.HSDP_ASYNC and Schedule.parse(" FSDP ") is Schedule.FSDP
+def test_the_plans_decide_the_streams_and_the_ranks_per_node_the_links() -> None:
+    """Nothing re-decides what the planner decided: the all-reduce's stream is the plan's; a
+    shard group that fits in a node uses the intra-node link, one that spans nodes the other."""
+    sync, asynchronous = (simulate_iteration(small(kind)) for kind in (HSDP_SYNC, HSDP_ASYNC))
+    assert {i.stream for i in sync.intervals if i.activity is Activity.ALL_REDUCE} == {Stream.POST_BACKWARD}
+    assert {i.stream for i in asynchronous.intervals if i.activity is Activity.ALL_REDUCE} == {Stream.ALL_REDUCE}
+    one_node = simulate_iteration(dataclasses.replace(small(FSDP), ranks_per_node=16))
+    assert {i.link for i in one_node.intervals if i.activity.is_collective} == {INTRA}
+    assert sync.label == "HYBRID_SHARD 2 x 8, sync all-reduce" and one_node.label == "FULL_SHARD over 16"
+
+
+def test_exposed_communication_and_the_limiting_link_by_hand() -> None:
+    """Async HSDP of the small model (timeline above): compute runs 3-4, 7-8, 11-13 and 14-16 ms.
+    u2's collectives (all-gathers 4-7 and 8-11, reduce-scatter 14-17, all-reduce 17-37) are
+    hidden only where compute runs: 3 + 3 + 1 + 20 = 27 ms exposed. The iteration ends with u1's
+    all-reduce, after u2's on the all-reduce stream, after u2's reduce-scatter (intra-node):
+    the inter-node link limits it."""
+    t = simulate_iteration(small(HSDP_ASYNC))
+    assert t.exposed_ms(2) == 27
+    assert t.exposed_ms(0) == 0
+    assert t.limiting_link is INTER
+    critical = [t.intervals[k] for k in t.critical if t.intervals[k].duration_ms > 0]  # the root's cost nothing
+    assert [(i.unit, i.activity) for i in critical[:3]] == [
+        (1, Activity.ALL_REDUCE),
+        (2, Activity.ALL_REDUCE),
+        (2, Activity.REDUCE_SCATTER),
+    ]
+    assert simulate_iteration(small(FSDP)).limiting_link is INTER
 
 
 # -- the seed's table -------------------------------------------------------------------------
@@ -505,8 +556,16 @@ def emulated_cluster() -> Measurements:
     return Measurements(units=units, samples=tuple(samples), ranks_per_node=2)
 
 
+def cluster_plans(kind: str) -> tuple[Plan, ...]:
+    """The three units' plans on 2 nodes of 2 ranks."""
+    if kind == FSDP:
+        return unit_plans(3, ShardingStrategy.FULL_SHARD, 4)
+    placement = HybridAllReduce.SYNC if kind == HSDP_SYNC else HybridAllReduce.ASYNC
+    return unit_plans(3, ShardingStrategy.HYBRID_SHARD, 4, 2, hybrid_all_reduce=placement)
+
+
 def test_model_from_measurements_prices_each_unit_at_its_size() -> None:
-    model = model_from_measurements(emulated_cluster())
+    model = model_from_measurements(emulated_cluster(), cluster_plans(HSDP_ASYNC))
     root, layer = model.units[0], model.units[1]
     assert (layer.forward_ms, layer.backward_ms) == (5.0, 10.0)
     c = layer.collectives
@@ -522,13 +581,17 @@ def test_model_from_measurements_prices_each_unit_at_its_size() -> None:
         units=tuple(
             UnitCosts(name=u.name, forward_ms=u.forward_ms, backward_ms=u.backward_ms, collectives=u.collectives)
             for u in model.units
-        )
+        ),
+        plans=model.plans,
+        ranks_per_node=2,
     )
-    for schedule in Schedule:
-        assert simulate_iteration(model, schedule) == simulate_iteration(hand, schedule)
+    assert simulate_iteration(model) == simulate_iteration(hand)
     # On a 400 Mbit/s link the replicate all-reduces dominate: async overlaps them with backward.
-    times = {s: simulate_iteration(model, s).iteration_ms for s in Schedule}
-    assert times[Schedule.HSDP_SYNC] > times[Schedule.HSDP_ASYNC]
+    times = {
+        kind: simulate_iteration(model_from_measurements(emulated_cluster(), cluster_plans(kind))).iteration_ms
+        for kind in (FSDP, HSDP_SYNC, HSDP_ASYNC)
+    }
+    assert times[HSDP_SYNC] > times[HSDP_ASYNC]
 
 
 def test_measurements_validate() -> None:
@@ -603,10 +666,10 @@ def test_slowdown_and_sharing_samples_validate() -> None:
 
 
 def test_format_iteration_rows_and_width() -> None:
-    t = simulate_iteration(small(), Schedule.HSDP_ASYNC)
+    t = simulate_iteration(small(HSDP_ASYNC))
     text = format_iteration(t, width=57)
     lines = text.splitlines()
-    assert lines[0].startswith("hsdp_async: 57.0 ms per iteration, one column = 1.00 ms")
+    assert lines[0].startswith("HYBRID_SHARD 2 x 8, async all-reduce: 57.0 ms per iteration, one column = 1.00 ms")
     assert lines[-1].startswith("  g/G forward/backward all-gather")
     rows = {line.split("|")[0].strip(): line.split("|")[1] for line in lines[1:-1]}
     assert list(rows) == ["compute", "all_gather", "post_backward", "all_reduce", "intra_node", "inter_node"]
@@ -619,13 +682,13 @@ def test_format_iteration_rows_and_width() -> None:
 
 
 def test_format_iteration_counts_collectives_sharing_a_link() -> None:
-    t = simulate_iteration(small(), Schedule.FSDP, LinkModel(one_collective_per_group=False))
+    t = simulate_iteration(small(FSDP), LinkModel(one_collective_per_group=False))
     row = next(line for line in format_iteration(t, width=62).splitlines() if line.startswith("  inter_node"))
     assert row.split("|")[1][34:50] == "2" * 16
 
 
 def test_iteration_to_trace() -> None:
-    t = simulate_iteration(small(), Schedule.HSDP_SYNC)
+    t = simulate_iteration(small(HSDP_SYNC))
     trace = iteration_to_trace(t, name="small")
     assert json.loads(json.dumps(trace)) == trace
     events = trace["traceEvents"]

@@ -29,9 +29,11 @@ from fsdp_core.sim.iteration import (
     IterationModel,
     IterationTimeline,
     LinkModel,
-    Schedule,
     UnitCosts,
+    describe_plans,
+    group_link,
     simulate_iteration,
+    unit_plans,
 )
 from fsdp_core.sim.links import Link, SimTask, run_tasks
 from fsdp_core.sim.pr106080 import (
@@ -49,6 +51,7 @@ from fsdp_core.sim.pr106080 import (
     seed_calibration,
     seed_links,
     seed_model,
+    seed_plans,
 )
 from fsdp_core.sim.render import ACTIVITY_MARKS, format_iteration, iteration_to_trace
 from fsdp_core.sim.timeline import (
@@ -82,7 +85,6 @@ __all__ = [
     "Load",
     "MeasuredUnit",
     "Measurements",
-    "Schedule",
     "SeedCalibration",
     "SeedParameters",
     "SeedResult",
@@ -93,6 +95,7 @@ __all__ = [
     "TimelineEntry",
     "UnitCosts",
     "describe_cost",
+    "describe_plans",
     "fit_affine",
     "fit_collectives",
     "fit_seed",
@@ -100,6 +103,7 @@ __all__ = [
     "format_seed_table",
     "format_seed_timeline",
     "format_timeline",
+    "group_link",
     "iteration_to_trace",
     "links_from_measurements",
     "model_from_measurements",
@@ -107,7 +111,9 @@ __all__ = [
     "seed_calibration",
     "seed_links",
     "seed_model",
+    "seed_plans",
     "simulate_iteration",
     "simulate_timeline",
     "timeline_to_json",
+    "unit_plans",
 ]

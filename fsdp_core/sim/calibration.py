@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fsdp_core.plan.request import Plan
 from fsdp_core.sim.iteration import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
 from fsdp_core.sim.links import Link
 from fsdp_core.spec.config import BackwardPrefetch
@@ -269,15 +270,17 @@ class Measurements:
 
 def model_from_measurements(
     measurements: Measurements,
+    plans: Sequence[Plan | None],
     *,
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = False,
 ) -> IterationModel:
-    """The ``IterationModel`` of ``measurements``: each unit's measured compute, and its
-    collectives priced by ``fit_collectives(measurements.samples)`` at its size. Simulate it with
-    ``simulate_iteration`` under each ``Schedule`` and ``links_from_measurements(measurements)``
-    (the default ``LinkModel`` when nothing was timed under load: the samples were timed on the
-    links as they are)."""
+    """The ``IterationModel`` of ``measurements`` run with ``plans`` (one per unit; e.g.
+    ``unit_plans`` of ``FULL_SHARD`` or of ``HYBRID_SHARD`` with either all-reduce placement):
+    each unit's measured compute, and its collectives priced by
+    ``fit_collectives(measurements.samples)`` at its size. Simulate it with ``simulate_iteration``
+    and ``links_from_measurements(measurements)`` (the default ``LinkModel`` when nothing was
+    timed under load: the samples were timed on the links as they are)."""
     fits = fit_collectives(measurements.samples)
     units = []
     for u in measurements.units:
@@ -290,7 +293,13 @@ def model_from_measurements(
             all_reduce_inter_ms=fits.all_reduce_inter.ms(shard),
         )
         units.append(UnitCosts(name=u.name, forward_ms=u.forward_ms, backward_ms=u.backward_ms, collectives=costs))
-    return IterationModel(units=tuple(units), backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+    return IterationModel(
+        units=tuple(units),
+        plans=tuple(plans),
+        ranks_per_node=measurements.ranks_per_node,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+    )
 
 
 def _slowdown(samples: Sequence[SlowdownSample]) -> float:

@@ -9,11 +9,14 @@ the root, which wraps the others and keeps its parameters gathered from forward 
 - **backward**: with ``BACKWARD_PRE`` (the default) each unit's pre-backward issues the next
   unit's all-gather, which runs while this unit's backward computes; the root's pre-backward
   issues the first. Then the unit's backward on compute; in its post-backward hook (after any
-  ``BACKWARD_POST`` prefetch, as FSDP1 reshards and prefetches before it reduces) the
-  reduce-scatter on ``Stream.POST_BACKWARD``, which waits for that backward; for hybrid schedules
-  the replicate all-reduce after it, on ``Stream.POST_BACKWARD`` (``HSDP_SYNC``, FSDP1 before
-  PyTorch PR 106080: the next reduce-scatter waits for it) or on ``Stream.ALL_REDUCE``
-  (``HSDP_ASYNC``: it waits only for its reduce-scatter). The root's own backward runs last.
+  ``BACKWARD_POST`` prefetch, as FSDP1 reshards and prefetches before it reduces) the ops of the
+  unit's post-backward ``Plan``, as the shell runs them: each collective (reduce-scatter,
+  all-reduce, comm hook) on the plan's stream and group, after what the plan's ``WaitStream``
+  ops make it wait for. So where the hybrid replicate all-reduce runs is the planner's decision
+  (``all_reduce_stream``): on ``Stream.POST_BACKWARD`` right after the reduce-scatter (sync,
+  FSDP1 before PyTorch PR 106080: the next reduce-scatter waits for it) or on
+  ``Stream.ALL_REDUCE`` (async: it waits only for its reduce-scatter). The root's own backward
+  runs last.
 - **end of backward**: the compute stream waits for every side stream; the iteration ends when
   the last task does. The optimizer step is not modelled.
 
@@ -28,9 +31,10 @@ Timing rules:
   ProcessGroupNCCL runs a group's collectives on one internal stream, in the order the host
   issued them, whatever CUDA stream issued them; so FSDP1's all-gathers and reduce-scatters (one
   shard group) never run at the same time, while the replicate all-reduce (another group) does.
-- *Links* (``fsdp_core.sim.links``): FSDP's shard group spans nodes, so its all-gathers and
-  reduce-scatters use ``Link.INTER_NODE``; HSDP's shard group is one node (``Link.INTRA_NODE``);
-  the replicate group spans nodes. A collective's work is its cost measured alone on its link;
+- *Links* (``fsdp_core.sim.links``): a group of consecutive ranks that fits in one node
+  (``IterationModel.ranks_per_node``) uses ``Link.INTRA_NODE``, one that spans nodes
+  ``Link.INTER_NODE``: FSDP's shard group over the whole world spans nodes, HSDP's is one node,
+  its replicate group spans them. A collective's work is its cost measured alone on its link;
   collectives active on one link at once share it (processor sharing with ``contention``).
   Where ranks share processor cores with their communication (the emulated cluster of
   ``benchmarks/bench_hsdp_cluster.py``), ``LinkModel`` also slows intra-node collectives while an
@@ -38,22 +42,49 @@ Timing rules:
   (``compute_slowdown``, per collective and link); on GPUs with NCCL these stay 1.
 
 Everything is exact (``Fraction``) and deterministic; the result is an ``IterationTimeline``
-with every interval and the iteration time.
+with every interval, the iteration time, each unit's exposed communication (not overlapped by
+compute) and the link that limits the iteration.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import assert_never
 
-from fsdp_core.plan.ops import Group, Stream
-from fsdp_core.plan.planner import all_reduce_stream
+import torch
+
+from fsdp_core.plan.comm import comm_volume
+from fsdp_core.plan.ops import (
+    Accumulate,
+    AllReduce,
+    Cast,
+    CommHookCall,
+    Divide,
+    EndOfBackwardWait,
+    Free,
+    FreeUnshardedParam,
+    GradViews,
+    Group,
+    HandOff,
+    Input,
+    Offload,
+    Op,
+    Pad,
+    RecordStream,
+    ReduceScatter,
+    Stream,
+    WaitStream,
+)
+from fsdp_core.plan.planner import plan_post_backward
+from fsdp_core.plan.request import Plan
 from fsdp_core.sim.links import Link, SimTask, run_tasks
-from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, parse_member
+from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy
 from fsdp_core.spec.events import Event
+from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardRequest, plan_unshard
 
 __all__ = [
@@ -64,52 +95,12 @@ __all__ = [
     "IterationModel",
     "IterationTimeline",
     "LinkModel",
-    "Schedule",
     "UnitCosts",
+    "describe_plans",
+    "group_link",
     "simulate_iteration",
+    "unit_plans",
 ]
-
-
-class Schedule(enum.Enum):
-    """Which sharding, and where the hybrid replicate all-reduce runs."""
-
-    FSDP = "fsdp"
-    """``FULL_SHARD`` over the whole world: the shard group spans nodes; no all-reduce."""
-    HSDP_SYNC = "hsdp_sync"
-    """``HYBRID_SHARD``, the all-reduce queued after the reduce-scatter on the post-backward stream
-    (FSDP1 before PyTorch PR 106080): the next reduce-scatter waits for it."""
-    HSDP_ASYNC = "hsdp_async"
-    """``HYBRID_SHARD``, the all-reduce on a stream of its own (PR 106080, as fsdp_shell's hybrid
-    plans run it): it overlaps the next reduce-scatters and the all-gathers."""
-
-    @property
-    def is_hybrid(self) -> bool:
-        """Whether gradients are also all-reduced over the replicate group."""
-        return self is not Schedule.FSDP
-
-    @property
-    def placement(self) -> HybridAllReduce | None:
-        """Where the planner puts the replicate all-reduce (None: there is none); the simulation
-        takes its stream from the planner (``all_reduce_stream``), as the plans that run do."""
-        match self:
-            case Schedule.FSDP:
-                return None
-            case Schedule.HSDP_SYNC:
-                return HybridAllReduce.SYNC
-            case Schedule.HSDP_ASYNC:
-                return HybridAllReduce.ASYNC
-            case _:
-                assert_never(self)
-
-    @property
-    def shard_link(self) -> Link:
-        """The link the shard group's all-gathers and reduce-scatters use."""
-        return Link.INTER_NODE if self is Schedule.FSDP else Link.INTRA_NODE
-
-    @classmethod
-    def parse(cls, name: str) -> Schedule:
-        """The member called ``name`` (any case, ``-`` for ``_``), or ``ValueError`` naming ``schedule``."""
-        return parse_member(cls, name, argument="schedule", noun="schedule")
 
 
 class Activity(enum.Enum):
@@ -148,6 +139,9 @@ class CollectiveCosts:
     reduce_scatter_intra_ms: float
     reduce_scatter_inter_ms: float
     all_reduce_inter_ms: float
+    all_reduce_intra_ms: float | None = None
+    """An all-reduce inside one node (``NO_SHARD``'s, or a replicate group that fits in a node);
+    None: not given, and a plan that needs it is refused by ``simulate_iteration``."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -158,6 +152,8 @@ class CollectiveCosts:
             "all_reduce_inter_ms",
         ):
             _check_ms("CollectiveCosts", name, getattr(self, name))
+        if self.all_reduce_intra_ms is not None:
+            _check_ms("CollectiveCosts", "all_reduce_intra_ms", self.all_reduce_intra_ms)
 
     def all_gather_ms(self, link: Link) -> float:
         """The all-gather's cost alone on ``link``."""
@@ -166,6 +162,14 @@ class CollectiveCosts:
     def reduce_scatter_ms(self, link: Link) -> float:
         """The reduce-scatter's cost alone on ``link``."""
         return self.reduce_scatter_inter_ms if link is Link.INTER_NODE else self.reduce_scatter_intra_ms
+
+    def all_reduce_ms(self, link: Link) -> float:
+        """The all-reduce's cost alone on ``link``; ``ValueError`` when it is not given."""
+        if link is Link.INTER_NODE:
+            return self.all_reduce_inter_ms
+        if self.all_reduce_intra_ms is None:
+            raise ValueError("CollectiveCosts.all_reduce_intra_ms: a plan all-reduces inside a node; give its cost")
+        return self.all_reduce_intra_ms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,12 +193,18 @@ class UnitCosts:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IterationModel:
-    """The model: its units and FSDP1's prefetch settings."""
+    """The model: its units, their post-backward plans, where the ranks are, and FSDP1's
+    prefetch settings."""
 
     units: tuple[UnitCosts, ...]
     """In forward order. ``units[0]`` is the root, which wraps the others (as
     ``UnshardRequest.chain`` records it): gathered first in forward, kept gathered into backward,
     its own backward run after all the others'."""
+    plans: tuple[Plan | None, ...]
+    """Each unit's post-backward plan, as the shell runs it (``unit_plans`` makes nominal ones);
+    None for a unit with no parameters: nothing gathered or reduced. One sharding for all."""
+    ranks_per_node: int = 8
+    """Consecutive ranks per node: which groups fit in one (``group_link``)."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
 
@@ -204,6 +214,15 @@ class IterationModel:
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"IterationModel.units: names must be unique, got {names}")
+        if not isinstance(self.plans, tuple) or not all(p is None or isinstance(p, Plan) for p in self.plans):
+            raise TypeError(f"IterationModel.plans: expected a tuple of Plan or None, got {self.plans!r}")
+        if len(self.plans) != len(self.units):
+            raise ValueError(f"IterationModel.plans: expected one per unit ({len(self.units)}), got {len(self.plans)}")
+        shardings = {p.request.sharding.with_rank(0) for p in self.plans if p is not None}
+        if len(shardings) > 1:
+            raise ValueError("IterationModel.plans: every plan needs the same sharding")
+        if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"IterationModel.ranks_per_node: expected an int >= 1, got {self.ranks_per_node!r}")
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
             raise TypeError(
                 f"IterationModel.backward_prefetch: expected None or a BackwardPrefetch, got {self.backward_prefetch!r}"
@@ -325,11 +344,15 @@ class Interval:
 class IterationTimeline:
     """The simulated iteration: every interval, in the order the host enqueued them."""
 
-    schedule: Schedule
+    label: str
+    """What was simulated (``describe_plans``)."""
     links: LinkModel
     intervals: tuple[Interval, ...]
     iteration_ms: float
     """When the last task ends (the end-of-backward wait), in ms from the first hook."""
+    critical: tuple[int, ...] = ()
+    """Indices into ``intervals`` of the critical path, last first: from the interval that ends
+    the iteration back through, each time, what it waited for that ended last."""
 
     def find(self, activity: Activity, unit: int) -> Interval:
         """The interval of ``activity`` for ``unit``; ``KeyError`` if it has none."""
@@ -341,6 +364,42 @@ class IterationTimeline:
     def on(self, stream: Stream) -> tuple[Interval, ...]:
         """The intervals of ``stream``, in the order they ran."""
         return tuple(i for i in self.intervals if i.stream is stream)
+
+    def exposed_ms(self, unit: int) -> float:
+        """How long ``unit``'s collectives ran while no compute did: the time they add to the
+        iteration that overlap does not hide (their union, minus every compute interval)."""
+        compute = _union([(i.start_ms, i.end_ms) for i in self.intervals if not i.activity.is_collective])
+        mine = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.unit == unit and i.activity.is_collective])
+        return _length(mine) - _length(_intersect(mine, compute))
+
+    @property
+    def limiting_link(self) -> Link | None:
+        """The link whose collectives take the most of the critical path; None when compute alone
+        makes it up."""
+        on_path: dict[Link, float] = {}
+        for index in self.critical:
+            i = self.intervals[index]
+            if i.link is not None:
+                on_path[i.link] = on_path.get(i.link, 0.0) + i.duration_ms
+        return max(on_path, key=lambda link: (on_path[link], link.value)) if on_path else None
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [(max(x0, y0), min(x1, y1)) for x0, x1 in a for y0, y1 in b if min(x1, y1) > max(x0, y0)]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in spans)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +414,58 @@ class _Label:
 _BACKWARD_EVENTS = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
 
 
-def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple[list[SimTask], list[_Label]]:
+def group_link(group: Group, sharding: ShardingSpec, ranks_per_node: int) -> Link:
+    """The link ``group``'s collectives use when ``ranks_per_node`` consecutive ranks share a
+    node: the shard group is consecutive ranks, the replicate group one rank of each."""
+    match group:
+        case Group.SHARD:
+            span = sharding.shard_size
+        case Group.REPLICATE:
+            span = sharding.data_parallel_size
+        case _:
+            assert_never(group)
+    return Link.INTRA_NODE if span <= ranks_per_node else Link.INTER_NODE
+
+
+def unit_plans(
+    units: int,
+    strategy: ShardingStrategy,
+    world_size: int,
+    shard_size: int | None = None,
+    *,
+    hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC,
+    numel: int = 1,
+) -> tuple[Plan, ...]:
+    """``units`` equal nominal plans (one fp32 parameter of ``numel`` elements each): the plans of
+    a model whose collectives are priced per unit (``CollectiveCosts``), where only their ops'
+    order, streams and groups matter."""
+    sharding = ShardingSpec.for_world(strategy, world_size, shard_size)
+    layout = FlatParamLayout.of([("w", (numel,))], torch.float32)
+    plan = plan_post_backward(layout, sharding, hybrid_all_reduce=hybrid_all_reduce)
+    return (plan,) * units
+
+
+def describe_plans(plans: Sequence[Plan | None]) -> str:
+    """The strategy and geometry of ``plans``, and where a hybrid all-reduce runs."""
+    plan = next((p for p in plans if p is not None), None)
+    if plan is None:
+        return "no plans"
+    sharding, r = plan.request.sharding, plan.request
+    if sharding.strategy.is_hybrid:
+        return (
+            f"{sharding.strategy.name} {sharding.replicate_size} x {sharding.shard_size}, "
+            f"{r.hybrid_all_reduce.value} all-reduce"
+        )
+    return f"{sharding.strategy.name} over {sharding.shard_size}"
+
+
+def _collective_activity(plan: Plan, index: int) -> Activity:
+    """Which collective the plan's op ``index`` runs (a comm hook's by what it does)."""
+    volume = next(v for v in comm_volume(plan) if v.op_index == index)
+    return Activity.REDUCE_SCATTER if volume.collective == "reduce_scatter" else Activity.ALL_REDUCE
+
+
+def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list[_Label]]:
     """The iteration as tasks in host order, each after what it waits for (module docstring)."""
     request = UnshardRequest.chain(
         len(model.units),
@@ -365,7 +475,13 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
         forward_prefetch=model.forward_prefetch,
     )
     actions = plan_unshard(request)
-    shard_link = schedule.shard_link
+    some = next((p for p in model.plans if p is not None), None)
+    sharding = None if some is None else some.request.sharding
+
+    def link_of(group: Group) -> Link:
+        assert sharding is not None
+        return group_link(group, sharding, model.ranks_per_node)
+
     tasks: list[SimTask] = []
     labels: list[_Label] = []
     last_on: dict[Stream, int] = {}
@@ -409,10 +525,11 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
         for action in actions.actions(event, unit):
             match action:
                 case Gather():
-                    if action.unit not in gathered:
-                        cost = model.units[action.unit].collectives.all_gather_ms(shard_link)
+                    if action.unit not in gathered and model.plans[action.unit] is not None:
+                        link = link_of(Group.SHARD)
+                        cost = model.units[action.unit].collectives.all_gather_ms(link)
                         gathered[action.unit] = add(
-                            action.unit, activity, Stream.ALL_GATHER, cost, group=Group.SHARD, link=shard_link
+                            action.unit, activity, Stream.ALL_GATHER, cost, group=Group.SHARD, link=link
                         )
                 case AwaitGather():
                     if action.unit in gathered:
@@ -421,6 +538,49 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
                     gathered.pop(action.unit, None)
                 case _:
                     assert_never(action)
+
+    def post_backward(unit: int, plan: Plan) -> None:
+        """The plan's hook ops: each collective a transfer on its stream and group, after what
+        the plan's waits name; bookkeeping and element-wise ops take no time here."""
+        waits: dict[Stream, set[int]] = {}
+        costs = model.units[unit].collectives
+
+        def run_op(index: int, op: Op) -> None:
+            match op:
+                case WaitStream():
+                    if op.waits_for in last_on:
+                        waits.setdefault(op.stream, set()).add(last_on[op.waits_for])
+                case ReduceScatter() | AllReduce() | CommHookCall():
+                    link = link_of(op.group)
+                    activity = _collective_activity(plan, index)
+                    ms = (
+                        costs.reduce_scatter_ms(link)
+                        if activity is Activity.REDUCE_SCATTER
+                        else costs.all_reduce_ms(link)
+                    )
+                    after = tuple(waits.pop(op.stream, ()))
+                    add(unit, activity, op.stream, ms, group=op.group, link=link, after=after)
+                case FreeUnshardedParam():
+                    gathered.pop(unit, None)
+                case (
+                    Input()
+                    | RecordStream()
+                    | Free()
+                    | Cast()
+                    | Pad()
+                    | Divide()
+                    | Accumulate()
+                    | Offload()
+                    | GradViews()
+                    | HandOff()
+                    | EndOfBackwardWait()
+                ):
+                    pass
+                case _:
+                    assert_never(op)
+
+        for index, op in enumerate(plan.hook_ops):
+            run_op(index, op)
 
     for event, unit in request.events:
         costs = model.units[unit]
@@ -435,33 +595,12 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
                 if unit != request.root:
                     compute(unit, Activity.BACKWARD, costs.backward_ms)
             case Event.POST_BACKWARD:
-                backward = (
+                if unit == request.root:
                     compute(unit, Activity.BACKWARD, costs.backward_ms)
-                    if unit == request.root
-                    else last_on[Stream.COMPUTE]
-                )
                 hook(event, unit)
-                gathered.pop(unit, None)  # the post-backward plan reshards
-                rs = add(
-                    unit,
-                    Activity.REDUCE_SCATTER,
-                    Stream.POST_BACKWARD,
-                    costs.collectives.reduce_scatter_ms(shard_link),
-                    group=Group.SHARD,
-                    link=shard_link,
-                    after=(backward,),
-                )
-                if schedule.placement is not None:
-                    stream = all_reduce_stream(schedule.placement)
-                    add(
-                        unit,
-                        Activity.ALL_REDUCE,
-                        stream,
-                        costs.collectives.all_reduce_inter_ms,
-                        group=Group.REPLICATE,
-                        link=Link.INTER_NODE,
-                        after=(rs,),
-                    )
+                plan = model.plans[unit]
+                if plan is not None:
+                    post_backward(unit, plan)
             case Event.END_FORWARD | Event.END_BACKWARD:
                 pass
             case _:
@@ -469,19 +608,30 @@ def _tasks(model: IterationModel, schedule: Schedule, links: LinkModel) -> tuple
     return tasks, labels
 
 
-def simulate_iteration(model: IterationModel, schedule: Schedule, links: LinkModel = LinkModel()) -> IterationTimeline:
-    """Simulate one iteration of ``model`` under ``schedule`` and ``links`` (module docstring).
+def _critical_path(tasks: Sequence[SimTask], times: Sequence[tuple[Fraction, Fraction]]) -> tuple[int, ...]:
+    """From the task that ends last, back through the task each waited for that ended last."""
+    if not tasks:
+        return ()
+    index = max(range(len(tasks)), key=lambda k: (times[k][1], k))
+    path = [index]
+    while tasks[index].after:
+        index = max(tasks[index].after, key=lambda k: (times[k][1], k))
+        path.append(index)
+    return tuple(path)
+
+
+def simulate_iteration(model: IterationModel, links: LinkModel = LinkModel()) -> IterationTimeline:
+    """Simulate one iteration of ``model`` (its units' plans and costs) under ``links`` (module
+    docstring).
 
     Exact and deterministic: equal arguments give equal timelines. Costs in ms; each interval's
     times are the exact event times rounded to the nearest float.
     """
     if not isinstance(model, IterationModel):
         raise TypeError(f"model: expected an IterationModel, got {type(model).__name__}")
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule: expected a Schedule, got {schedule!r}")
     if not isinstance(links, LinkModel):
         raise TypeError(f"links: expected a LinkModel, got {type(links).__name__}")
-    tasks, labels = _tasks(model, schedule, links)
+    tasks, labels = _tasks(model, links)
     capacity = {
         Link.INTER_NODE: Fraction(links.inter_node_bandwidth),
         Link.INTRA_NODE: Fraction(links.intra_node_bandwidth),
@@ -506,4 +656,10 @@ def simulate_iteration(model: IterationModel, schedule: Schedule, links: LinkMod
         for label, (start, end) in zip(labels, times)
     )
     end = max((e for _, e in times), default=Fraction(0))
-    return IterationTimeline(schedule=schedule, links=links, intervals=intervals, iteration_ms=float(end))
+    return IterationTimeline(
+        label=describe_plans(model.plans),
+        links=links,
+        intervals=intervals,
+        iteration_ms=float(end),
+        critical=_critical_path(tasks, times),
+    )

@@ -21,16 +21,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from fsdp_core.plan.request import Plan
 from fsdp_core.sim.iteration import (
     CollectiveCosts,
     IterationModel,
     IterationTimeline,
     LinkModel,
-    Schedule,
     UnitCosts,
     simulate_iteration,
+    unit_plans,
 )
 from fsdp_core.sim.render import format_iteration
+from fsdp_core.spec.config import HybridAllReduce, ShardingStrategy
 
 __all__ = [
     "SEED_DECODER",
@@ -47,6 +49,7 @@ __all__ = [
     "seed_calibration",
     "seed_links",
     "seed_model",
+    "seed_plans",
 ]
 
 SEED_ENCODER = CollectiveCosts(
@@ -124,7 +127,10 @@ class SeedRow:
     key: str
     """A short name: ``fsdp``, ``hsdp_sync``, ``hsdp_async``, ``hsdp_async_cross_nic``."""
     label: str
-    schedule: Schedule
+    strategy: ShardingStrategy
+    """``FULL_SHARD`` over all 32 GPUs, or ``HYBRID_SHARD`` with a shard group per node."""
+    hybrid_all_reduce: HybridAllReduce
+    """Where the plans put the replicate all-reduce (``ASYNC`` for ``FULL_SHARD``, which has none)."""
     cross_nic: bool
     """Whether ``NCCL_CROSS_NIC=1`` was set."""
     seed_ms: float
@@ -137,7 +143,8 @@ SEED_ROWS: tuple[SeedRow, ...] = (
     SeedRow(
         key="fsdp",
         label="FSDP (FULL_SHARD, 32 GPUs)",
-        schedule=Schedule.FSDP,
+        strategy=ShardingStrategy.FULL_SHARD,
+        hybrid_all_reduce=HybridAllReduce.ASYNC,
         cross_nic=False,
         seed_ms=1160.0,
         fitted=None,
@@ -145,7 +152,8 @@ SEED_ROWS: tuple[SeedRow, ...] = (
     SeedRow(
         key="hsdp_sync",
         label="HSDP, sync all-reduce",
-        schedule=Schedule.HSDP_SYNC,
+        strategy=ShardingStrategy.HYBRID_SHARD,
+        hybrid_all_reduce=HybridAllReduce.SYNC,
         cross_nic=False,
         seed_ms=665.0,
         fitted=None,
@@ -153,7 +161,8 @@ SEED_ROWS: tuple[SeedRow, ...] = (
     SeedRow(
         key="hsdp_async",
         label="HSDP, async all-reduce",
-        schedule=Schedule.HSDP_ASYNC,
+        strategy=ShardingStrategy.HYBRID_SHARD,
+        hybrid_all_reduce=HybridAllReduce.ASYNC,
         cross_nic=False,
         seed_ms=597.0,
         fitted="encoder_forward_ms",
@@ -161,7 +170,8 @@ SEED_ROWS: tuple[SeedRow, ...] = (
     SeedRow(
         key="hsdp_async_cross_nic",
         label="HSDP async, CROSS_NIC=1",
-        schedule=Schedule.HSDP_ASYNC,
+        strategy=ShardingStrategy.HYBRID_SHARD,
+        hybrid_all_reduce=HybridAllReduce.ASYNC,
         cross_nic=True,
         seed_ms=556.0,
         fitted="cross_nic_bandwidth_factor",
@@ -170,10 +180,29 @@ SEED_ROWS: tuple[SeedRow, ...] = (
 """The seed's four numbers, in its order."""
 
 
-def seed_model(params: SeedParameters = SEED_PARAMETERS) -> IterationModel:
+SEED_NODES = 4
+SEED_RANKS_PER_NODE = 8
+
+
+def seed_plans(row: SeedRow) -> tuple[Plan, ...]:
+    """The 13 units' post-backward plans of ``row``: ``FULL_SHARD`` over the 32 GPUs, or
+    ``HYBRID_SHARD`` with a shard group per node and the row's all-reduce placement."""
+    world = SEED_NODES * SEED_RANKS_PER_NODE
+    hybrid = row.strategy.is_hybrid
+    return unit_plans(
+        13,
+        row.strategy,
+        world,
+        SEED_RANKS_PER_NODE if hybrid else None,
+        hybrid_all_reduce=row.hybrid_all_reduce if hybrid else HybridAllReduce.ASYNC,
+    )
+
+
+def seed_model(params: SeedParameters = SEED_PARAMETERS, row: SeedRow | None = None) -> IterationModel:
     """The seed's model: a root (the embeddings and output layer, which the seed does not time:
     zero cost), 6 encoder layers, then 6 decoder layers, each an FSDP unit, with FSDP1's
-    defaults (``BACKWARD_PRE``, no forward prefetch)."""
+    defaults (``BACKWARD_PRE``, no forward prefetch), 8 GPUs a node, and the plans of ``row``
+    (default: async HSDP)."""
     encoder_ms = params.encoder_forward_ms
     decoder_ms = encoder_ms * params.decoder_per_encoder_compute
     root = UnitCosts(name="root", forward_ms=0.0, backward_ms=0.0, collectives=_NOTHING)
@@ -195,7 +224,8 @@ def seed_model(params: SeedParameters = SEED_PARAMETERS) -> IterationModel:
         )
         for i in range(6)
     )
-    return IterationModel(units=(root, *encoders, *decoders))
+    plans = seed_plans(SEED_ROWS[2] if row is None else row)
+    return IterationModel(units=(root, *encoders, *decoders), plans=plans, ranks_per_node=SEED_RANKS_PER_NODE)
 
 
 def seed_links(
@@ -211,7 +241,7 @@ def seed_links(
 
 def _simulate(row: SeedRow, params: SeedParameters, one_collective_per_group: bool = True) -> IterationTimeline:
     links = seed_links(params, cross_nic=row.cross_nic, one_collective_per_group=one_collective_per_group)
-    return simulate_iteration(seed_model(params), row.schedule, links)
+    return simulate_iteration(seed_model(params, row), links)
 
 
 def _bisect(f: Callable[[float], float], low: float, high: float, halvings: int) -> float:

@@ -40,7 +40,7 @@ def _concurrency(intervals: list[Interval]) -> int:
 
 
 def format_iteration(timeline: IterationTimeline, width: int = 100, name: str | None = None) -> str:
-    """An ASCII chart of ``timeline``, ``width`` columns wide, headed ``name`` (the schedule's by
+    """An ASCII chart of ``timeline``, ``width`` columns wide, headed ``name`` (its label by
     default): one row per stream that has work, then one row per link that carries any, where a
     digit counts collectives sharing the link; then a legend.
 
@@ -80,7 +80,7 @@ def format_iteration(timeline: IterationTimeline, width: int = 100, name: str | 
                 shared = _concurrency(here)
                 cells[k] = str(min(shared, 9)) if shared > 1 else ACTIVITY_MARKS[here[-1].activity]
         rows.append(f"  {link.value:<14}|{''.join(cells)}|")
-    head = f"{name or timeline.schedule.value}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
+    head = f"{name or timeline.label}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
     legend = (
         "  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
         "2-9 collectives sharing a link"
@@ -91,14 +91,14 @@ def format_iteration(timeline: IterationTimeline, width: int = 100, name: str | 
 def iteration_to_trace(timeline: IterationTimeline, *, name: str | None = None) -> dict[str, JsonValue]:
     """``timeline`` as a Chrome/Perfetto trace: ``{"traceEvents": [...], "displayTimeUnit": "ms"}``.
 
-    One process (named ``name``, default the schedule's value); one thread track per stream with a
+    One process (named ``name``, default the timeline's label); one thread track per stream with a
     complete (``"X"``) event per interval, ``ts``/``dur`` in microseconds, its unit, activity, group
     and link in ``args``; and per link a counter track of how many collectives are active on it.
     """
     pid = 1
     tids = {stream: k + 1 for k, stream in enumerate(_STREAMS)}
     events: list[JsonValue] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name or timeline.schedule.value}},
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name or timeline.label}},
     ]
     for stream, tid in tids.items():
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": stream.value}})
