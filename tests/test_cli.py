@@ -104,7 +104,7 @@ def test_text_output_shows_plan_volume_verdict_and_timeline(capsys: pytest.Captu
     assert "verifier: sound" in text
     assert "simulated timeline" in text
     assert "communication per rank" in text
-    assert "assumed: shard link 150 GB/s and replicate link 25 GB/s per rank" in text
+    assert "assumed: intra-node 150 GB/s and inter-node 25 GB/s per rank" in text
 
 
 @pytest.mark.parametrize(

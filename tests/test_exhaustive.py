@@ -245,8 +245,8 @@ SECONDS = {
 def test_timeline_costs_every_kind(kind: type) -> None:
     cost = CostModel(
         device_bandwidth=1.0,
-        shard_link_bandwidth=2.0,
-        replicate_link_bandwidth=1.0,
+        intra_node_bandwidth=2.0,
+        inter_node_bandwidth=1.0,
         host_bandwidth=4.0,
         collective_latency=100.0,
     )

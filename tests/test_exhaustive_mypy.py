@@ -56,7 +56,7 @@ OP_CONSUMERS_AT_LEAST = {
     ("fsdp_core/plan/comm.py", "_volume"),
     ("fsdp_core/plan/render.py", "describe_op"),
     ("fsdp_core/plan/render.py", "_op_json"),
-    ("fsdp_core/sim/timeline.py", "_elementwise_bytes"),
+    ("fsdp_core/sim/timeline.py", "elementwise_bytes"),
     ("fsdp_core/sim/timeline.py", "run"),
     ("fsdp_core/plan/verifier.py", "step"),
     ("fsdp_shell/runtime/interpreter.py", "_step"),

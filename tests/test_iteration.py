@@ -9,8 +9,20 @@ import json
 from fractions import Fraction
 
 import pytest
+import torch
 
-from fsdp_core import BackwardPrefetch, HybridAllReduce, Plan, ShardingStrategy, Stream
+from fsdp_core import (
+    BackwardPrefetch,
+    FlatParamLayout,
+    HybridAllReduce,
+    MixedPrecision,
+    Plan,
+    ShardingSpec,
+    ShardingStrategy,
+    Stream,
+    comm_volume,
+    plan_post_backward,
+)
 from fsdp_core.sim import (
     ACTIVITY_MARKS,
     SEED_PARAMETERS,
@@ -20,6 +32,7 @@ from fsdp_core.sim import (
     CollectiveCosts,
     CollectiveSample,
     ComputeSlowdown,
+    CostModel,
     IterationModel,
     IterationTimeline,
     Link,
@@ -32,6 +45,7 @@ from fsdp_core.sim import (
     SimTask,
     SlowdownSample,
     UnitCosts,
+    describe_cost,
     fit_affine,
     fit_collectives,
     fit_seed,
@@ -44,6 +58,7 @@ from fsdp_core.sim import (
     seed_calibration,
     seed_model,
     simulate_iteration,
+    simulate_timeline,
     unit_plans,
 )
 
@@ -485,6 +500,7 @@ def test_seed_model_shape() -> None:
     enc, dec = model.units[1], model.units[7]
     assert enc.forward_ms == SEED_PARAMETERS.encoder_forward_ms and enc.backward_ms == 2 * enc.forward_ms
     assert dec.forward_ms == pytest.approx(enc.forward_ms * 40 / 23)
+    assert enc.collectives is not None and dec.collectives is not None
     assert (enc.collectives.all_gather_inter_ms, dec.collectives.all_reduce_inter_ms) == (23, 55)
     assert model.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and not model.forward_prefetch
     assert len(SEED_ROWS) == 4
@@ -569,6 +585,7 @@ def test_model_from_measurements_prices_each_unit_at_its_size() -> None:
     root, layer = model.units[0], model.units[1]
     assert (layer.forward_ms, layer.backward_ms) == (5.0, 10.0)
     c = layer.collectives
+    assert c is not None and root.collectives is not None
     assert c.all_gather_intra_ms == pytest.approx(0.1 + 2.0)
     assert c.reduce_scatter_intra_ms == pytest.approx(0.2 + 2.0)
     assert c.all_gather_inter_ms == pytest.approx(1.0 + 80.0)
@@ -706,3 +723,44 @@ def test_iteration_to_trace() -> None:
 
 def test_activity_marks_cover_every_activity() -> None:
     assert set(ACTIVITY_MARKS) == set(Activity) and len(set(ACTIVITY_MARKS.values())) == len(Activity)
+
+
+# -- one cost model ------------------------------------------------------------------------------
+
+
+def test_units_without_given_costs_are_priced_by_the_cost_model_from_their_plans() -> None:
+    """A bf16 unit of 1000 elements reduced in fp32 over 2 ranks of one node: its plan casts the
+    gradient (2000 B read + 4000 B written) and divides it (4000 B read and written), then
+    reduce-scatters it (500 fp32 elements leave each rank: 2000 B on the wire); its all-gather
+    sends 500 bf16 elements (1000 B). Every op is priced by the same ``CostModel`` that prices
+    ``simulate_timeline``."""
+    layout = FlatParamLayout.of([("w", (1000,))], torch.float32)
+    sharding = ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = plan_post_backward(layout, sharding, mixed_precision=mp)
+    cost = CostModel(device_bandwidth=1e6, intra_node_bandwidth=1e6, inter_node_bandwidth=1e5, collective_latency=1e-3)
+    units = tuple(UnitCosts(name=n, forward_ms=1, backward_ms=2) for n in ("root", "u1"))
+    t = simulate_iteration(IterationModel(units=units, plans=(plan, plan), cost=cost))
+    rs = t.find(Activity.REDUCE_SCATTER, 1)
+    assert rs.link is INTRA and rs.duration_ms == pytest.approx(1 + 2000 / 1e6 * 1e3)
+    gather = t.find(Activity.FORWARD_ALL_GATHER, 1)
+    assert gather.duration_ms == pytest.approx(1 + 1000 / 1e6 * 1e3)
+    elementwise = [i for i in t.intervals if i.activity is Activity.ELEMENTWISE and i.unit == 1]
+    assert [round(i.duration_ms, 6) for i in elementwise] == [6.0, 8.0]
+    assert all(i.stream is Stream.POST_BACKWARD for i in elementwise)
+    timeline = {e.op: e for e in simulate_timeline(plan, cost) if e.op == "reduce_scatter"}
+    assert (timeline["reduce_scatter"].end - timeline["reduce_scatter"].start) * 1e3 == pytest.approx(rs.duration_ms)
+
+
+def test_timed_collectives_replace_latency_and_bandwidth() -> None:
+    fits = fit_collectives(emulated_cluster().samples)
+    cost = CostModel(measured=fits)
+    volume = comm_volume(
+        plan_post_backward(
+            FlatParamLayout.of([("w", (1000,))], torch.float32), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2)
+        )
+    )
+    (rs,) = [v for v in volume if v.collective == "reduce_scatter"]
+    assert cost.collective_seconds(rs, INTRA) * 1e3 == pytest.approx(fits.reduce_scatter_intra.ms(4000))
+    assert fits.of(Collective.ALL_REDUCE, INTRA) is None
+    assert "timed collectives as fitted" in describe_cost(cost)

@@ -27,8 +27,8 @@ from fsdp_core.sim import CostModel, TimelineEntry, format_timeline, simulate_ti
 LAYOUT = FlatParamLayout.of([("w", (8_000_000,))], torch.float32)
 COST = CostModel(
     device_bandwidth=1e12,
-    shard_link_bandwidth=1e11,
-    replicate_link_bandwidth=1e10,
+    intra_node_bandwidth=1e11,
+    inter_node_bandwidth=1e10,
     host_bandwidth=1e10,
     collective_latency=0.0,
 )
@@ -73,8 +73,8 @@ def test_bad_arguments() -> None:
     plan = plan_post_backward(LAYOUT, ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2))
     with pytest.raises(ValueError, match="units"):
         simulate_timeline(plan, units=0)
-    with pytest.raises(ValueError, match="shard_link_bandwidth"):
-        CostModel(shard_link_bandwidth=0)
+    with pytest.raises(ValueError, match="intra_node_bandwidth"):
+        CostModel(intra_node_bandwidth=0)
 
 
 def _chain(prefetch: BackwardPrefetch | None, units: int = 4, reshard_after_forward: bool = True) -> UnshardSchedule:

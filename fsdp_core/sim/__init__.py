@@ -7,19 +7,23 @@ Nothing that runs training imports this package; ``fsdp-plan`` and ``fsdp-sim`` 
 """
 
 from fsdp_core.sim.calibration import (
-    AffineCost,
-    Collective,
-    CollectiveFits,
-    CollectiveSample,
     Load,
     MeasuredUnit,
     Measurements,
     SharingSample,
     SlowdownSample,
-    fit_affine,
-    fit_collectives,
     links_from_measurements,
     model_from_measurements,
+)
+from fsdp_core.sim.costs import (
+    AffineCost,
+    Collective,
+    CollectiveFits,
+    CollectiveSample,
+    CostModel,
+    describe_cost,
+    fit_affine,
+    fit_collectives,
 )
 from fsdp_core.sim.iteration import (
     Activity,
@@ -55,9 +59,7 @@ from fsdp_core.sim.pr106080 import (
 )
 from fsdp_core.sim.render import ACTIVITY_MARKS, format_iteration, iteration_to_trace
 from fsdp_core.sim.timeline import (
-    CostModel,
     TimelineEntry,
-    describe_cost,
     format_timeline,
     simulate_timeline,
     timeline_to_json,

@@ -28,6 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fsdp_core.plan.request import Plan
+from fsdp_core.sim.costs import (
+    FITTED,
+    AffineCost,
+    Collective,
+    CollectiveFits,
+    CollectiveSample,
+    check_count,
+    check_nonnegative,
+    fit_affine,
+    fit_collectives,
+)
 from fsdp_core.sim.iteration import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
 from fsdp_core.sim.links import Link
 from fsdp_core.spec.config import BackwardPrefetch
@@ -47,126 +58,6 @@ __all__ = [
     "links_from_measurements",
     "model_from_measurements",
 ]
-
-
-class Collective(enum.Enum):
-    """A collective FSDP issues."""
-
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
-
-
-def _check_nonnegative(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(f"{owner}.{name}: expected a finite number >= 0, got {value!r}")
-
-
-def _check_count(owner: str, name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}.{name}: expected an int >= {low}, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CollectiveSample:
-    """One measurement: ``collective`` on ``link``, alone, of ``nbytes``, took ``ms``."""
-
-    collective: Collective
-    link: Link
-    nbytes: int
-    """The size FSDP passes: for all-gather the gathered (unsharded) output, for reduce-scatter
-    the unsharded input, for all-reduce the tensor reduced (one shard)."""
-    ms: float
-    """Its time alone, e.g. the mean of several runs."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.collective, Collective):
-            raise TypeError(f"CollectiveSample.collective: expected a Collective, got {self.collective!r}")
-        if not isinstance(self.link, Link):
-            raise TypeError(f"CollectiveSample.link: expected a Link, got {self.link!r}")
-        _check_count("CollectiveSample", "nbytes", self.nbytes, 1)
-        _check_nonnegative("CollectiveSample", "ms", self.ms)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AffineCost:
-    """``latency_ms + nbytes * ms_per_byte``."""
-
-    latency_ms: float
-    ms_per_byte: float
-
-    def __post_init__(self) -> None:
-        _check_nonnegative("AffineCost", "latency_ms", self.latency_ms)
-        _check_nonnegative("AffineCost", "ms_per_byte", self.ms_per_byte)
-
-    def ms(self, nbytes: int) -> float:
-        """The cost of ``nbytes``; 0 for 0 bytes (nothing to send)."""
-        return 0.0 if nbytes == 0 else self.latency_ms + nbytes * self.ms_per_byte
-
-
-def fit_affine(samples: Sequence[CollectiveSample]) -> AffineCost:
-    """Least squares of ``ms = latency + nbytes * ms_per_byte`` over ``samples`` (at least one).
-
-    With a single size the latency cannot be told apart from the bandwidth: the line goes through
-    the origin (latency 0) and the mean. A fit with a negative latency is redone through the
-    origin, one with a negative slope is flat at the mean; so both terms are >= 0.
-    Deterministic: the result depends only on the multiset of samples."""
-    if not samples:
-        raise ValueError("samples: expected at least one CollectiveSample")
-    points = sorted((float(s.nbytes), float(s.ms)) for s in samples)
-    n = len(points)
-    mean_x = math.fsum(x for x, _ in points) / n
-    mean_y = math.fsum(y for _, y in points) / n
-    sxx = math.fsum((x - mean_x) ** 2 for x, _ in points)
-    if sxx > 0:
-        slope = math.fsum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
-        latency = mean_y - slope * mean_x
-        if slope < 0:
-            return AffineCost(latency_ms=mean_y, ms_per_byte=0.0)
-        if latency >= 0:
-            return AffineCost(latency_ms=latency, ms_per_byte=slope)
-    through_origin = math.fsum(x * y for x, y in points) / math.fsum(x * x for x, _ in points)
-    return AffineCost(latency_ms=0.0, ms_per_byte=through_origin)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CollectiveFits:
-    """The fitted cost of each collective ``model_from_measurements`` needs."""
-
-    all_gather_intra: AffineCost
-    all_gather_inter: AffineCost
-    reduce_scatter_intra: AffineCost
-    reduce_scatter_inter: AffineCost
-    all_reduce_inter: AffineCost
-
-
-_NEEDED = (
-    ("all_gather_intra", Collective.ALL_GATHER, Link.INTRA_NODE),
-    ("all_gather_inter", Collective.ALL_GATHER, Link.INTER_NODE),
-    ("reduce_scatter_intra", Collective.REDUCE_SCATTER, Link.INTRA_NODE),
-    ("reduce_scatter_inter", Collective.REDUCE_SCATTER, Link.INTER_NODE),
-    ("all_reduce_inter", Collective.ALL_REDUCE, Link.INTER_NODE),
-)
-
-
-def fit_collectives(samples: Sequence[CollectiveSample]) -> CollectiveFits:
-    """``fit_affine`` per (collective, link) of ``CollectiveFits``; ``ValueError`` naming every
-    one without samples. Samples of other pairs (an intra-node all-reduce) are ignored."""
-    missing = [
-        f"{c.value} on {link.value}"
-        for _, c, link in _NEEDED
-        if not any(s.collective is c and s.link is link for s in samples)
-    ]
-    if missing:
-        raise ValueError(f"samples: no measurement of {', '.join(missing)}")
-    fits = {name: fit_affine([s for s in samples if s.collective is c and s.link is link]) for name, c, link in _NEEDED}
-    return CollectiveFits(
-        all_gather_intra=fits["all_gather_intra"],
-        all_gather_inter=fits["all_gather_inter"],
-        reduce_scatter_intra=fits["reduce_scatter_intra"],
-        reduce_scatter_inter=fits["reduce_scatter_inter"],
-        all_reduce_inter=fits["all_reduce_inter"],
-    )
 
 
 class Load(enum.Enum):
@@ -197,8 +88,8 @@ class SlowdownSample:
             raise TypeError(f"SlowdownSample.link: expected a Link, got {self.link!r}")
         if not isinstance(self.load, Load):
             raise TypeError(f"SlowdownSample.load: expected a Load, got {self.load!r}")
-        _check_nonnegative("SlowdownSample", "alone_ms", self.alone_ms)
-        _check_nonnegative("SlowdownSample", "loaded_ms", self.loaded_ms)
+        check_nonnegative("SlowdownSample", "alone_ms", self.alone_ms)
+        check_nonnegative("SlowdownSample", "loaded_ms", self.loaded_ms)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,7 +106,7 @@ class SharingSample:
         if not isinstance(self.link, Link):
             raise TypeError(f"SharingSample.link: expected a Link, got {self.link!r}")
         for name in ("first_ms", "second_ms", "together_ms"):
-            _check_nonnegative("SharingSample", name, getattr(self, name))
+            check_nonnegative("SharingSample", name, getattr(self, name))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -232,9 +123,9 @@ class MeasuredUnit:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"MeasuredUnit.name: expected a non-empty string, got {self.name!r}")
-        _check_count("MeasuredUnit", "param_bytes", self.param_bytes, 0)
-        _check_nonnegative("MeasuredUnit", "forward_ms", self.forward_ms)
-        _check_nonnegative("MeasuredUnit", "backward_ms", self.backward_ms)
+        check_count("MeasuredUnit", "param_bytes", self.param_bytes, 0)
+        check_nonnegative("MeasuredUnit", "forward_ms", self.forward_ms)
+        check_nonnegative("MeasuredUnit", "backward_ms", self.backward_ms)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -261,7 +152,7 @@ class Measurements:
             raise TypeError(f"Measurements.units: expected a non-empty tuple of MeasuredUnit, got {self.units!r}")
         if not isinstance(self.samples, tuple) or not all(isinstance(s, CollectiveSample) for s in self.samples):
             raise TypeError(f"Measurements.samples: expected a tuple of CollectiveSample, got {self.samples!r}")
-        _check_count("Measurements", "ranks_per_node", self.ranks_per_node, 1)
+        check_count("Measurements", "ranks_per_node", self.ranks_per_node, 1)
         if not isinstance(self.slowdowns, tuple) or not all(isinstance(s, SlowdownSample) for s in self.slowdowns):
             raise TypeError(f"Measurements.slowdowns: expected a tuple of SlowdownSample, got {self.slowdowns!r}")
         if not isinstance(self.sharing, tuple) or not all(isinstance(s, SharingSample) for s in self.sharing):
@@ -342,7 +233,7 @@ def links_from_measurements(measurements: Measurements, *, one_collective_per_gr
             if s.load is load and s.link is link and collective in (None, s.collective)
         ]
 
-    computing = {name: _slowdown(of(Load.COMPUTE, link, collective)) for name, collective, link in _NEEDED}
+    computing = {name: _slowdown(of(Load.COMPUTE, link, collective)) for name, collective, link in FITTED}
     return LinkModel(
         contention=_contention(measurements.sharing),
         cross_link_slowdown=_slowdown(of(Load.OTHER_LINK, Link.INTRA_NODE)),

@@ -57,7 +57,7 @@ from typing import assert_never
 
 import torch
 
-from fsdp_core.plan.comm import comm_volume
+from fsdp_core.plan.comm import all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
@@ -81,7 +81,9 @@ from fsdp_core.plan.ops import (
 )
 from fsdp_core.plan.planner import plan_post_backward
 from fsdp_core.plan.request import Plan
+from fsdp_core.sim.costs import CostModel
 from fsdp_core.sim.links import Link, SimTask, run_tasks
+from fsdp_core.sim.timeline import elementwise_bytes
 from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy
 from fsdp_core.spec.events import Event
 from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
@@ -112,11 +114,14 @@ class Activity(enum.Enum):
     BACKWARD = "backward"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    ELEMENTWISE = "elementwise"
+    """A post-backward plan's casts, padding, divisions, accumulation and offload copies, on the
+    plan's streams (priced only by a ``CostModel``)."""
 
     @property
     def is_collective(self) -> bool:
         """Whether the activity is a transfer (not compute)."""
-        return self not in (Activity.FORWARD, Activity.BACKWARD)
+        return self not in (Activity.FORWARD, Activity.BACKWARD, Activity.ELEMENTWISE)
 
 
 def _check_ms(owner: str, name: str, value: object) -> None:
@@ -180,15 +185,17 @@ class UnitCosts:
     """A label for tables and traces (``enc0``, ``dec5``, ``root``)."""
     forward_ms: float
     backward_ms: float
-    collectives: CollectiveCosts
+    collectives: CollectiveCosts | None = None
+    """Its collectives' costs as given (the seed's figures); None: the ``IterationModel``'s
+    ``CostModel`` prices every op of its plan from the bytes it moves, element-wise ops too."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"UnitCosts.name: expected a non-empty string, got {self.name!r}")
         _check_ms("UnitCosts", "forward_ms", self.forward_ms)
         _check_ms("UnitCosts", "backward_ms", self.backward_ms)
-        if not isinstance(self.collectives, CollectiveCosts):
-            raise TypeError(f"UnitCosts.collectives: expected CollectiveCosts, got {self.collectives!r}")
+        if self.collectives is not None and not isinstance(self.collectives, CollectiveCosts):
+            raise TypeError(f"UnitCosts.collectives: expected None or CollectiveCosts, got {self.collectives!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,6 +212,8 @@ class IterationModel:
     None for a unit with no parameters: nothing gathered or reduced. One sharding for all."""
     ranks_per_node: int = 8
     """Consecutive ranks per node: which groups fit in one (``group_link``)."""
+    cost: CostModel = CostModel()
+    """What prices the ops of units without given ``CollectiveCosts``."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
 
@@ -221,6 +230,8 @@ class IterationModel:
         shardings = {p.request.sharding.with_rank(0) for p in self.plans if p is not None}
         if len(shardings) > 1:
             raise ValueError("IterationModel.plans: every plan needs the same sharding")
+        if not isinstance(self.cost, CostModel):
+            raise TypeError(f"IterationModel.cost: expected a CostModel, got {self.cost!r}")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"IterationModel.ranks_per_node: expected an int >= 1, got {self.ranks_per_node!r}")
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
@@ -268,7 +279,7 @@ class ComputeSlowdown:
                 return self.reduce_scatter_inter if inter else self.reduce_scatter_intra
             case Activity.ALL_REDUCE:
                 return self.all_reduce_inter
-            case Activity.FORWARD | Activity.BACKWARD:
+            case Activity.FORWARD | Activity.BACKWARD | Activity.ELEMENTWISE:
                 raise ValueError(f"activity: expected a collective, got {activity.value}")
             case _:
                 assert_never(activity)
@@ -366,9 +377,9 @@ class IterationTimeline:
         return tuple(i for i in self.intervals if i.stream is stream)
 
     def exposed_ms(self, unit: int) -> float:
-        """How long ``unit``'s collectives ran while no compute did: the time they add to the
-        iteration that overlap does not hide (their union, minus every compute interval)."""
-        compute = _union([(i.start_ms, i.end_ms) for i in self.intervals if not i.activity.is_collective])
+        """How long ``unit``'s collectives ran while the compute stream did not: the time they add
+        to the iteration that overlap does not hide (their union, minus every compute interval)."""
+        compute = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.stream is Stream.COMPUTE])
         mine = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.unit == unit and i.activity.is_collective])
         return _length(mine) - _length(_intersect(mine, compute))
 
@@ -459,12 +470,6 @@ def describe_plans(plans: Sequence[Plan | None]) -> str:
     return f"{sharding.strategy.name} over {sharding.shard_size}"
 
 
-def _collective_activity(plan: Plan, index: int) -> Activity:
-    """Which collective the plan's op ``index`` runs (a comm hook's by what it does)."""
-    volume = next(v for v in comm_volume(plan) if v.op_index == index)
-    return Activity.REDUCE_SCATTER if volume.collective == "reduce_scatter" else Activity.ALL_REDUCE
-
-
 def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list[_Label]]:
     """The iteration as tasks in host order, each after what it waits for (module docstring)."""
     request = UnshardRequest.chain(
@@ -525,9 +530,12 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
         for action in actions.actions(event, unit):
             match action:
                 case Gather():
-                    if action.unit not in gathered and model.plans[action.unit] is not None:
+                    plan = model.plans[action.unit]
+                    volume = None if plan is None else all_gather_volume(plan.request)
+                    if action.unit not in gathered and volume is not None:
                         link = link_of(Group.SHARD)
-                        cost = model.units[action.unit].collectives.all_gather_ms(link)
+                        given = model.units[action.unit].collectives
+                        cost = given.all_gather_ms(link) if given else model.cost.collective_seconds(volume, link) * 1e3
                         gathered[action.unit] = add(
                             action.unit, activity, Stream.ALL_GATHER, cost, group=Group.SHARD, link=link
                         )
@@ -540,10 +548,21 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                     assert_never(action)
 
     def post_backward(unit: int, plan: Plan) -> None:
-        """The plan's hook ops: each collective a transfer on its stream and group, after what
-        the plan's waits name; bookkeeping and element-wise ops take no time here."""
+        """The plan's hook ops: each collective a transfer on its stream and group, and, priced by
+        the cost model, each element-wise op work on its stream; each after what the plan's waits
+        name. With given ``CollectiveCosts`` element-wise ops take no time."""
         waits: dict[Stream, set[int]] = {}
-        costs = model.units[unit].collectives
+        given = model.units[unit].collectives
+        volumes = {v.op_index: v for v in comm_volume(plan)}
+
+        def on_stream(stream: Stream, activity: Activity, ms: float, group: Group | None = None) -> None:
+            link = None if group is None else link_of(group)
+            after = tuple(waits.pop(stream, ()))
+            add(unit, activity, stream, ms, group=group, link=link, after=after)
+
+        def elementwise(stream: Stream, seconds: float) -> None:
+            if given is None:
+                on_stream(stream, Activity.ELEMENTWISE, seconds * 1e3)
 
         def run_op(index: int, op: Op) -> None:
             match op:
@@ -551,30 +570,22 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                     if op.waits_for in last_on:
                         waits.setdefault(op.stream, set()).add(last_on[op.waits_for])
                 case ReduceScatter() | AllReduce() | CommHookCall():
+                    volume = volumes[index]
                     link = link_of(op.group)
-                    activity = _collective_activity(plan, index)
-                    ms = (
-                        costs.reduce_scatter_ms(link)
-                        if activity is Activity.REDUCE_SCATTER
-                        else costs.all_reduce_ms(link)
-                    )
-                    after = tuple(waits.pop(op.stream, ()))
-                    add(unit, activity, op.stream, ms, group=op.group, link=link, after=after)
+                    scatter = volume.collective == "reduce_scatter"
+                    activity = Activity.REDUCE_SCATTER if scatter else Activity.ALL_REDUCE
+                    if given is None:
+                        ms = model.cost.collective_seconds(volume, link) * 1e3
+                    else:
+                        ms = given.reduce_scatter_ms(link) if scatter else given.all_reduce_ms(link)
+                    on_stream(op.stream, activity, ms, op.group)
+                case Cast() | Pad() | Divide() | Accumulate():
+                    elementwise(op.stream, model.cost.elementwise_seconds(elementwise_bytes(op)))
+                case Offload():
+                    elementwise(op.stream, model.cost.host_copy_seconds(op.src.nbytes))
                 case FreeUnshardedParam():
                     gathered.pop(unit, None)
-                case (
-                    Input()
-                    | RecordStream()
-                    | Free()
-                    | Cast()
-                    | Pad()
-                    | Divide()
-                    | Accumulate()
-                    | Offload()
-                    | GradViews()
-                    | HandOff()
-                    | EndOfBackwardWait()
-                ):
+                case Input() | RecordStream() | Free() | GradViews() | HandOff() | EndOfBackwardWait():
                     pass
                 case _:
                     assert_never(op)

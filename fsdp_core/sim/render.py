@@ -20,6 +20,7 @@ ACTIVITY_MARKS: Mapping[Activity, str] = MappingProxyType(
         Activity.BACKWARD: "b",
         Activity.REDUCE_SCATTER: "R",
         Activity.ALL_REDUCE: "A",
+        Activity.ELEMENTWISE: "=",
     }
 )
 """The character ``format_iteration`` draws each activity with."""
@@ -83,7 +84,7 @@ def format_iteration(timeline: IterationTimeline, width: int = 100, name: str | 
     head = f"{name or timeline.label}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
     legend = (
         "  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
-        "2-9 collectives sharing a link"
+        "= element-wise, 2-9 collectives sharing a link"
     )
     return "\n".join([head, *rows, legend])
 

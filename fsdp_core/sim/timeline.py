@@ -2,9 +2,9 @@
 
 Each stream runs its ops in order; a wait makes a stream start no earlier than the work it
 waits for ended. Collectives over one group run one at a time, in the order they were issued (one
-communicator, as with NCCL), and cost ``latency + wire bytes / link bandwidth``; element-wise ops
-cost the bytes they touch over device memory bandwidth; offloads cost their bytes over the
-host link. Given an all-gather schedule, each unit's backward also waits for its parameter's
+communicator, as with NCCL); every op is priced by the ``CostModel`` (``fsdp_core.sim.costs``),
+the one the iteration simulator uses, the shard group inside a node and the replicate group
+across nodes. Given an all-gather schedule, each unit's backward also waits for its parameter's
 all-gather, issued on ``Stream.ALL_GATHER`` where the schedule says. The numbers are a model for
 comparing plans, not a measurement.
 """
@@ -41,43 +41,12 @@ from fsdp_core.plan.ops import (
 )
 from fsdp_core.plan.request import Plan
 from fsdp_core.problems import JsonValue
+from fsdp_core.sim.costs import CostModel
+from fsdp_core.sim.links import Link
 from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardSchedule
 
-__all__ = ["CostModel", "TimelineEntry", "describe_cost", "format_timeline", "simulate_timeline", "timeline_to_json"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CostModel:
-    """Bandwidths in bytes per second and a per-collective latency in seconds."""
-
-    device_bandwidth: float = 2.0e12
-    """Device memory bandwidth for element-wise ops (an H100's HBM is ~3e12)."""
-    shard_link_bandwidth: float = 1.5e11
-    """Per-rank bus bandwidth inside the shard group (NVLink-class)."""
-    replicate_link_bandwidth: float = 2.5e10
-    """Per-rank bus bandwidth across the replicate group (InfiniBand-class)."""
-    host_bandwidth: float = 2.5e10
-    """Device-to-host copy bandwidth (PCIe)."""
-    collective_latency: float = 2.0e-5
-
-    def __post_init__(self) -> None:
-        for name in ("device_bandwidth", "shard_link_bandwidth", "replicate_link_bandwidth", "host_bandwidth"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected a positive bandwidth, got {getattr(self, name)}")
-        if self.collective_latency < 0:
-            raise ValueError(f"collective_latency: expected >= 0, got {self.collective_latency}")
-
-
-def describe_cost(cost: CostModel) -> str:
-    """One line naming what ``cost`` assumes, for a reader of a simulated timeline."""
-    gb = 1e9
-    return (
-        f"assumed: shard link {cost.shard_link_bandwidth / gb:g} GB/s and replicate link "
-        f"{cost.replicate_link_bandwidth / gb:g} GB/s per rank, device memory {cost.device_bandwidth / gb:g} GB/s, "
-        f"device-to-host {cost.host_bandwidth / gb:g} GB/s, {cost.collective_latency * 1e6:g} us per collective "
-        "(fsdp_core.sim.CostModel)"
-    )
+__all__ = ["TimelineEntry", "elementwise_bytes", "format_timeline", "simulate_timeline", "timeline_to_json"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,18 +66,18 @@ class TimelineEntry:
 _BACKWARD_EVENTS = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
 
 
-def _link_bandwidth(cost: CostModel, group: Group) -> float:
-    """The per-rank bus bandwidth of ``group``'s link under ``cost``."""
+def _link(group: Group) -> Link:
+    """The link ``group`` uses here: one shard group per node (intra-node), replicas across nodes."""
     match group:
         case Group.SHARD:
-            return cost.shard_link_bandwidth
+            return Link.INTRA_NODE
         case Group.REPLICATE:
-            return cost.replicate_link_bandwidth
+            return Link.INTER_NODE
         case _:
             assert_never(group)
 
 
-def _elementwise_bytes(op: Op) -> int:
+def elementwise_bytes(op: Op) -> int:
     """Device memory an element-wise op reads and writes; 0 for ops that move no elements on the
     device (bookkeeping, waits, and the collectives and offloads, which are costed by their link)."""
     match op:
@@ -179,7 +148,7 @@ def simulate_timeline(
         hooks = tuple(h for h in unshard.request.events if h.event in _BACKWARD_EVENTS)
     volumes = {v.op_index: v for v in comm_volume(plan)}
     gather = all_gather_volume(plan.request)
-    gather_seconds = cost.collective_latency + (0 if gather is None else gather.bytes) / cost.shard_link_bandwidth
+    gather_seconds = cost.collective_latency if gather is None else cost.collective_seconds(gather, _link(Group.SHARD))
     now = dict.fromkeys(Stream, 0.0)
     busy = dict.fromkeys(Group, 0.0)
     gathered: dict[int, float] = {}
@@ -195,11 +164,11 @@ def simulate_timeline(
                 duration = 0.0
             case ReduceScatter() | AllReduce() | CommHookCall():
                 v = volumes[index]
-                duration = cost.collective_latency + v.bytes / _link_bandwidth(cost, v.group)
+                duration = cost.collective_seconds(v, _link(v.group))
                 start = max(start, busy[v.group])
                 busy[v.group] = start + duration
             case Offload():
-                duration = op.src.nbytes / cost.host_bandwidth
+                duration = cost.host_copy_seconds(op.src.nbytes)
             case (
                 Input()
                 | RecordStream()
@@ -212,7 +181,7 @@ def simulate_timeline(
                 | GradViews()
                 | HandOff()
             ):
-                duration = _elementwise_bytes(op) / cost.device_bandwidth
+                duration = cost.elementwise_seconds(elementwise_bytes(op))
             case _:
                 assert_never(op)
         now[stream] = start + duration
