@@ -13,16 +13,21 @@ import torch
 
 from fsdp_core import (
     BackwardPrefetch,
+    Event,
     FlatParamLayout,
+    HookEvent,
     HybridAllReduce,
     MixedPrecision,
     Plan,
+    PlanRequest,
     ShardingSpec,
     ShardingStrategy,
     Stream,
+    UnshardRequest,
     comm_volume,
     plan_post_backward,
 )
+from fsdp_core.memory import ActivationTrace, UnitSpec
 from fsdp_core.sim import (
     ACTIVITY_MARKS,
     SEED_PARAMETERS,
@@ -54,6 +59,7 @@ from fsdp_core.sim import (
     iteration_to_trace,
     links_from_measurements,
     model_from_measurements,
+    model_of_units,
     run_tasks,
     seed_calibration,
     seed_model,
@@ -764,3 +770,41 @@ def test_timed_collectives_replace_latency_and_bandwidth() -> None:
     assert cost.collective_seconds(rs, INTRA) * 1e3 == pytest.approx(fits.reduce_scatter_intra.ms(4000))
     assert fits.of(Collective.ALL_REDUCE, INTRA) is None
     assert "timed collectives as fitted" in describe_cost(cost)
+
+
+def test_a_models_real_units_make_the_iteration() -> None:
+    """``model_of_units``: the units' own plans (their sharding and placement), the recorded
+    orders, compute from traced FLOPs: here 1e9 FLOP/s, so 30 and 700 FLOPs are 3e-5 and 7e-4 ms."""
+    sharding = ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 4, 2)
+    units = tuple(
+        UnitSpec(request=PlanRequest(layout=FlatParamLayout.of([("w", (n,))], torch.float32), sharding=sharding))
+        for n in (1000, 30)
+    )
+    trace = ActivationTrace.chain(
+        UnshardRequest(
+            units=2,
+            root=1,
+            forward_order=(1, 0),
+            backward_order=(1, 0),
+            reshard_after_forward=True,
+            reshard_after_backward=True,
+        ),
+        saved=[10, 10],
+        grads=[4000, 120],
+    )
+    trace = ActivationTrace(
+        points=tuple(
+            dataclasses.replace(p, flops=30 if p.at == HookEvent(Event.PRE_FORWARD, 0) else 0) for p in trace.points
+        )
+    )
+    model = model_of_units(units, trace, root=1, flops_per_second=1e9, ranks_per_node=2)
+    assert [u.name for u in model.units] == ["unit 0", "root"]
+    assert model.units[0].forward_ms == pytest.approx(30 / 1e9 * 1e3)
+    assert model.unshard is not None and model.unshard.root == 1
+    t = simulate_iteration(model)
+    assert {i.stream for i in t.intervals if i.activity is Activity.ALL_REDUCE} == {Stream.ALL_REDUCE}
+    assert t.find(Activity.REDUCE_SCATTER, 0).link is INTRA and t.find(Activity.ALL_REDUCE, 0).link is INTER
+    quiet = simulate_iteration(model_of_units(units, trace, root=1, flops_per_second=1e9, sync=False))
+    assert not any(i.activity in (Activity.REDUCE_SCATTER, Activity.ALL_REDUCE) for i in quiet.intervals)
+    with pytest.raises(ValueError, match="flops_per_second"):
+        model_of_units(units, trace, root=1, flops_per_second=0)

@@ -5,6 +5,8 @@ also against torch's own optimizers measured by ``LiveBytes``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -205,3 +207,20 @@ def _optimizer(kind: OptimizerKind, params: list[nn.Parameter], foreach: bool) -
             return torch.optim.Adam(params, lr=0.1, foreach=foreach)
         case OptimizerKind.ADAMW:
             return torch.optim.AdamW(params, lr=0.1, foreach=foreach)
+
+
+def test_flops_go_to_the_unit_that_runs_them() -> None:
+    """Forward: to the innermost unit between its pre- and post-forward hooks (the root outside
+    them); backward: to the unit whose pre-backward fired and whose post-backward has not."""
+    flops = {
+        Mark.FORWARD_START: 1,
+        _hook(Event.PRE_FORWARD, 1): 2,
+        _hook(Event.PRE_FORWARD, 0): 30,
+        _hook(Event.POST_FORWARD, 0): 4,
+        _hook(Event.PRE_BACKWARD, 1): 50,
+        _hook(Event.POST_BACKWARD, 1): 6,
+        _hook(Event.PRE_BACKWARD, 0): 700,
+        _hook(Event.POST_BACKWARD, 0): 8,
+    }
+    trace = ActivationTrace(points=tuple(dataclasses.replace(p, flops=flops.get(p.at, 0)) for p in TRACE.points))
+    assert trace.unit_flops(2, root=1) == ((30, 700), (1 + 2 + 4, 50 + 6 + 8))

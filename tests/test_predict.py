@@ -166,6 +166,7 @@ def test_fsdp_plan_model_prints_units_and_phases(capsys: pytest.CaptureFixture[s
     assert "model.layers.0" in out and "... unit 1 the same" in out
     for row in ("forward", "backward", "optimizer", "between steps", "peak:"):
         assert row in out
+    assert "step time, modeled" in out and "at 100 TFLOP/s (traced FLOPs)" in out
 
 
 def test_fsdp_plan_model_json_has_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,6 +178,9 @@ def test_fsdp_plan_model_json_has_every_rank(capsys: pytest.CaptureFixture[str])
     assert [p["phase"] for p in peaks] == ["forward", "backward", "forward", "backward", "optimizer"]
     assert all(sum(p["breakdown"].values()) == p["bytes"] for p in peaks)
     assert [u["module"] for u in out["units"]] == ["transformer.h.0", "transformer.h.1", ""]
+    time = out["step_time"]
+    assert time["step_ms"] == pytest.approx(time["no_sync_ms"] + time["sync_ms"])
+    assert time["compute_ms"] > 0 and time["limiting_link"] in ("intra_node", "inter_node", None)
 
 
 def test_fsdp_plan_model_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -185,3 +189,6 @@ def test_fsdp_plan_model_errors_are_one_line(capsys: pytest.CaptureFixture[str])
     assert err.startswith("fsdp-plan: error: model: unknown 'resnet'") and err.count("\n") == 1
     assert main(["--model", "demo", "--optimizer", "lion"]) == 2
     assert "optimizer: unknown optimizer 'lion'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_status:
+        main(["--model", "demo", "--tflops", "0"])
+    assert exit_status.value.code == 2 and "--tflops: expected a positive number" in capsys.readouterr().err

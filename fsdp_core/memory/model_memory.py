@@ -113,17 +113,20 @@ class TracePoint:
 
     ``live``: the bytes when it happens, before FSDP acts; ``taken``: at a post-backward hook,
     the bytes of the new unsharded gradient the hook takes (counted in ``live``, gone after it);
-    ``peak``: the highest from when the hook returned until the next point."""
+    ``peak``: the highest from when the hook returned until the next point; ``flops``: the work
+    done until then (``ActivationTrace.unit_flops``)."""
 
     at: HookEvent | Mark
     live: int
     peak: int
     taken: int = 0
+    flops: int = 0
+    """The floating-point operations the model's ops did from this point until the next."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.at, (HookEvent, Mark)):
             raise TypeError(f"at: expected a HookEvent or a Mark, got {self.at!r}")
-        for name in ("live", "peak", "taken"):
+        for name in ("live", "peak", "taken", "flops"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0 (bytes), got {value!r}")
@@ -177,6 +180,42 @@ class ActivationTrace:
         return tuple(
             p.at.unit for p in self.points if isinstance(p.at, HookEvent) and p.at.event is Event.POST_BACKWARD
         )
+
+    def unit_flops(self, units: int, root: int) -> tuple[tuple[int, int], ...]:
+        """Each unit's forward and backward FLOPs: in forward, what runs between a unit's
+        pre-forward and post-forward hooks outside units nested in it; in backward, what runs
+        after a unit's pre-backward hook until its post-backward one. The rest (the inputs, the
+        loss, the root's own modules, what runs between units) is the root's."""
+        forward, backward = [0] * units, [0] * units
+        stack: list[int] = []
+        running: list[int] = []
+        in_backward = False
+        for p in self.points:
+            at = p.at
+            if at is Mark.BACKWARD_START:
+                in_backward = True
+            elif isinstance(at, HookEvent):
+                event, unit = at
+                match event:
+                    case Event.PRE_FORWARD:
+                        stack.append(unit)
+                    case Event.POST_FORWARD:
+                        if unit in stack:
+                            stack.remove(unit)
+                    case Event.PRE_BACKWARD:
+                        running.append(unit)
+                    case Event.POST_BACKWARD:
+                        if unit in running:
+                            running.remove(unit)
+                    case Event.END_FORWARD | Event.END_BACKWARD:
+                        pass
+                    case _:
+                        assert_never(event)
+            if in_backward:
+                backward[running[-1] if running else root] += p.flops
+            else:
+                forward[stack[-1] if stack else root] += p.flops
+        return tuple(zip(forward, backward))
 
     @classmethod
     def chain(

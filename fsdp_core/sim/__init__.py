@@ -36,6 +36,7 @@ from fsdp_core.sim.iteration import (
     UnitCosts,
     describe_plans,
     group_link,
+    model_of_units,
     simulate_iteration,
     unit_plans,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "iteration_to_trace",
     "links_from_measurements",
     "model_from_measurements",
+    "model_of_units",
     "run_tasks",
     "seed_calibration",
     "seed_links",

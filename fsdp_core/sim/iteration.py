@@ -48,6 +48,7 @@ compute) and the link that limits the iteration.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -57,6 +58,7 @@ from typing import assert_never
 
 import torch
 
+from fsdp_core.memory.model_memory import ActivationTrace, UnitSpec
 from fsdp_core.plan.comm import all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
@@ -79,12 +81,12 @@ from fsdp_core.plan.ops import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan.planner import plan_post_backward
+from fsdp_core.plan.planner import build_plan, plan_post_backward
 from fsdp_core.plan.request import Plan
 from fsdp_core.sim.costs import CostModel
 from fsdp_core.sim.links import Link, SimTask, run_tasks
 from fsdp_core.sim.timeline import elementwise_bytes
-from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy
+from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy, StepFlags
 from fsdp_core.spec.events import Event
 from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardRequest, plan_unshard
@@ -100,6 +102,7 @@ __all__ = [
     "UnitCosts",
     "describe_plans",
     "group_link",
+    "model_of_units",
     "simulate_iteration",
     "unit_plans",
 ]
@@ -214,6 +217,10 @@ class IterationModel:
     """Consecutive ranks per node: which groups fit in one (``group_link``)."""
     cost: CostModel = CostModel()
     """What prices the ops of units without given ``CollectiveCosts``."""
+    unshard: UnshardRequest | None = None
+    """The orders the shell recorded (``fsdp_shell.predict`` records them from a traced step),
+    with their reshard and prefetch settings; None: a chain, ``units[0]`` the root wrapping the
+    rest, resharding after forward, with the prefetch settings below."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
 
@@ -232,6 +239,12 @@ class IterationModel:
             raise ValueError("IterationModel.plans: every plan needs the same sharding")
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"IterationModel.cost: expected a CostModel, got {self.cost!r}")
+        if self.unshard is not None:
+            r = self.unshard
+            if r.units != len(self.units):
+                raise ValueError(f"IterationModel.unshard: {r.units} units, expected {len(self.units)}")
+            if (r.backward_prefetch, r.forward_prefetch) != (self.backward_prefetch, self.forward_prefetch):
+                raise ValueError("IterationModel.unshard: its prefetch settings differ from the model's")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"IterationModel.ranks_per_node: expected an int >= 1, got {self.ranks_per_node!r}")
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
@@ -472,7 +485,7 @@ def describe_plans(plans: Sequence[Plan | None]) -> str:
 
 def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list[_Label]]:
     """The iteration as tasks in host order, each after what it waits for (module docstring)."""
-    request = UnshardRequest.chain(
+    request = model.unshard or UnshardRequest.chain(
         len(model.units),
         reshard_after_forward=True,
         reshard_after_backward=True,
@@ -594,6 +607,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
             run_op(index, op)
 
     for event, unit in request.events:
+        if unit < 0:
+            continue
         costs = model.units[unit]
         match event:
             case Event.PRE_FORWARD:
@@ -673,4 +688,61 @@ def simulate_iteration(model: IterationModel, links: LinkModel = LinkModel()) ->
         intervals=intervals,
         iteration_ms=float(end),
         critical=_critical_path(tasks, times),
+    )
+
+
+def model_of_units(
+    units: Sequence[UnitSpec | None],
+    trace: ActivationTrace,
+    *,
+    root: int,
+    flops_per_second: float,
+    cost: CostModel = CostModel(),
+    ranks_per_node: int = 8,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
+    sync: bool = True,
+) -> IterationModel:
+    """The iteration of a model's real units (``fsdp_core.memory.UnitSpec``, as the wrapper
+    builds them): each unit's post-backward plan (inside ``no_sync()`` when not ``sync``: no
+    communication), the all-gather schedule's orders as ``trace`` recorded them, compute from the
+    FLOPs ``trace`` counted per unit at ``flops_per_second`` sustained, collectives and
+    element-wise ops priced by ``cost``. A unit with no parameters, or only frozen ones, has no
+    plan here."""
+    if isinstance(flops_per_second, bool) or not 0 < flops_per_second < math.inf:
+        raise ValueError(f"flops_per_second: expected a positive number, got {flops_per_second!r}")
+    flops = trace.unit_flops(len(units), root)
+    specs = [u for u in units if u is not None]
+    strategy = specs[0].request.sharding.strategy
+    low = any(u.request.compute_dtype != u.request.layout.dtype for u in specs)
+    unshard = UnshardRequest(
+        units=len(units),
+        root=root,
+        forward_order=tuple(u for u in trace.forward_order if units[u] is not None),
+        backward_order=tuple(u for u in trace.backward_order if units[u] is not None),
+        reshard_after_forward=strategy.reshards_after_forward_with(low),
+        reshard_after_backward=strategy.is_sharded,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+    )
+    costs = tuple(
+        UnitCosts(
+            name=(u.name if u is not None and u.name else f"unit {index}") if index != root else "root",
+            forward_ms=forward / flops_per_second * 1e3,
+            backward_ms=backward / flops_per_second * 1e3,
+        )
+        for index, (u, (forward, backward)) in enumerate(zip(units, flops))
+    )
+    flags = StepFlags(sync_gradients=sync)
+    plans = tuple(
+        None if u is None or not u.trainable else build_plan(dataclasses.replace(u.request, flags=flags)) for u in units
+    )
+    return IterationModel(
+        units=costs,
+        plans=plans,
+        ranks_per_node=ranks_per_node,
+        cost=cost,
+        unshard=unshard,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
     )

@@ -221,7 +221,27 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--grad-accum", type=_positive, default=1, help="backwards per step; all but the last in no_sync()"
     )
+    model.add_argument(
+        "--tflops", type=_positive_float, default=100.0, help="step time: sustained TFLOP/s per device (default 100)"
+    )
+    model.add_argument("--ranks-per-node", type=_positive, default=8, help="step time: ranks per node (default 8)")
+    model.add_argument(
+        "--intra-node-gbps", type=_positive_float, default=150.0, help="step time: GB/s per rank inside a node"
+    )
+    model.add_argument(
+        "--inter-node-gbps", type=_positive_float, default=25.0, help="step time: GB/s per rank across nodes"
+    )
     return p
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -386,17 +406,28 @@ def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel
 
 
 def _model_main(args: argparse.Namespace) -> int:
-    from fsdp_shell.predict.report import format_prediction, prediction_to_json
+    from fsdp_shell.predict.model import predict_time
+    from fsdp_shell.predict.report import format_prediction, format_step_time, prediction_to_json, step_time_to_json
 
     try:
         prediction, loaded = predict_from_args(args)
+        cost = CostModel(
+            intra_node_bandwidth=args.intra_node_gbps * 1e9, inter_node_bandwidth=args.inter_node_gbps * 1e9
+        )
+        time = predict_time(
+            prediction, flops_per_second=args.tflops * 1e12, cost=cost, ranks_per_node=args.ranks_per_node
+        )
     except (ValueError, TypeError) as exc:
         print(f"fsdp-plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(prediction_to_json(prediction, model=loaded.name, inputs=loaded.inputs), indent=2))
+        out = prediction_to_json(prediction, model=loaded.name, inputs=loaded.inputs)
+        out["step_time"] = step_time_to_json(prediction, time)
+        print(json.dumps(out, indent=2))
     else:
         print(format_prediction(prediction, model=loaded.name, inputs=loaded.inputs))
+        print()
+        print(format_step_time(prediction, time))
     return 0
 
 

@@ -29,11 +29,12 @@ from fsdp_core.memory.model_memory import (
     model_memory,
 )
 from fsdp_core.memory.optimizer import OptimizerKind, OptimizerSpec
+from fsdp_core.sim import CostModel, IterationTimeline, model_of_units, simulate_iteration
 from fsdp_shell.options import Options, parse_options
 from fsdp_shell.predict.trace import StepFn, TraceUnit, record_trace
 from fsdp_shell.units.build import OwnedParams, UnitSite, find_units, param_names, unit_params, unit_request
 
-__all__ = ["Prediction", "predict_memory"]
+__all__ = ["Prediction", "StepTime", "predict_memory", "predict_time"]
 
 BACKENDS = ("nccl", "gloo")
 
@@ -191,3 +192,55 @@ def _optimizer_order(
         return tuple(where[id(p)] for p in module.parameters() if id(p) in where)
     unit_of = {id(site.module): u for u, site in enumerate(sites)}
     return tuple((unit_of[id(m)], -1) for m in module.modules() if id(m) in unit_of and owned[unit_of[id(m)]])
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """A modeled optimizer step: its forward-backwards inside ``no_sync()`` (none without
+    accumulation) and the synchronising one, each a simulated iteration."""
+
+    no_sync: IterationTimeline | None
+    sync: IterationTimeline
+    accumulate: int
+    flops_per_second: float
+    cost: CostModel
+
+    @property
+    def step_ms(self) -> float:
+        """The whole step: every forward-backward of the accumulation window."""
+        quiet = 0.0 if self.no_sync is None else self.no_sync.iteration_ms
+        return (self.accumulate - 1) * quiet + self.sync.iteration_ms
+
+
+def predict_time(
+    prediction: Prediction, *, flops_per_second: float, cost: CostModel = CostModel(), ranks_per_node: int = 8
+) -> StepTime:
+    """The step time of ``prediction``'s model as ``fsdp_core.sim.simulate_iteration`` models it:
+    its units' plans and all-gather schedule, compute from the traced FLOPs at
+    ``flops_per_second``, collectives priced by ``cost`` on links from ``ranks_per_node``. The
+    optimizer step is not in it. A model, not a measurement: the sustained rate and the links are
+    assumptions to name."""
+    root = len(prediction.units) - 1
+
+    def iteration(sync: bool) -> IterationTimeline:
+        return simulate_iteration(
+            model_of_units(
+                prediction.units,
+                prediction.trace,
+                root=root,
+                flops_per_second=flops_per_second,
+                cost=cost,
+                ranks_per_node=ranks_per_node,
+                backward_prefetch=prediction.options.backward_prefetch,
+                forward_prefetch=prediction.options.forward_prefetch,
+                sync=sync,
+            )
+        )
+
+    return StepTime(
+        no_sync=iteration(False) if prediction.accumulate > 1 else None,
+        sync=iteration(True),
+        accumulate=prediction.accumulate,
+        flops_per_second=flops_per_second,
+        cost=cost,
+    )

@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from fsdp_core import HookEvent
 from fsdp_core.memory import Category, Mark, ModelMemory, PhasePeak, UnitSpec
 from fsdp_core.problems import JsonValue
-from fsdp_shell.predict.model import Prediction
+from fsdp_core.sim import IterationTimeline, describe_cost
+from fsdp_shell.predict.model import Prediction, StepTime
 
-__all__ = ["format_prediction", "prediction_to_json"]
+__all__ = ["format_prediction", "format_step_time", "prediction_to_json", "step_time_to_json"]
 
 _UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30))
 
@@ -213,4 +214,48 @@ def prediction_to_json(p: Prediction, *, model: str, inputs: str) -> dict[str, J
         "units": list(units),
         "worst_rank": p.worst_rank,
         "ranks": ranks,
+    }
+
+
+def _exposed(p: Prediction, timeline: IterationTimeline) -> list[tuple[str, float]]:
+    """Each unit's exposed communication in ``timeline``, most first."""
+    out = [(p.paths[u] or "the root", timeline.exposed_ms(u)) for u in range(len(p.units))]
+    return sorted((e for e in out if e[1] > 0), key=lambda e: -e[1])
+
+
+def _compute_ms(timeline: IterationTimeline) -> float:
+    return sum(i.duration_ms for i in timeline.intervals if i.stream.value == "compute")
+
+
+def format_step_time(p: Prediction, t: StepTime) -> str:
+    """The modeled step time, its compute and exposed communication, the limiting link, the most
+    exposed units and what was assumed."""
+    sync = t.sync
+    link = sync.limiting_link
+    lines = [
+        f"step time, modeled (fsdp_core.sim.simulate_iteration; not measured): {t.step_ms:,.1f} ms per optimizer step"
+        + ("" if t.no_sync is None else f" ({t.accumulate - 1} x {t.no_sync.iteration_ms:,.1f} ms inside no_sync + ")
+        + ("" if t.no_sync is None else f"{sync.iteration_ms:,.1f} ms synchronising)"),
+        f"  forward + backward compute {_compute_ms(sync):,.1f} ms at {t.flops_per_second / 1e12:g} TFLOP/s (traced "
+        f"FLOPs); exposed communication {sync.iteration_ms - _compute_ms(sync):,.1f} ms; limited by "
+        f"{'compute' if link is None else link.value}",
+    ]
+    exposed = _exposed(p, sync)
+    if exposed:
+        shown = ", ".join(f"{name} {ms:,.1f}" for name, ms in exposed[:4])
+        lines.append(f"  most exposed (ms of their collectives beside no compute): {shown}")
+    lines.append("  " + describe_cost(t.cost) + "; the optimizer step is not modeled")
+    return "\n".join(lines)
+
+
+def step_time_to_json(p: Prediction, t: StepTime) -> dict[str, JsonValue]:
+    """``format_step_time``'s figures, in ms."""
+    return {
+        "step_ms": t.step_ms,
+        "sync_ms": t.sync.iteration_ms,
+        "no_sync_ms": None if t.no_sync is None else t.no_sync.iteration_ms,
+        "compute_ms": _compute_ms(t.sync),
+        "limiting_link": None if t.sync.limiting_link is None else t.sync.limiting_link.value,
+        "exposed_ms": dict[str, JsonValue](_exposed(p, t.sync)),
+        "flops_per_second": t.flops_per_second,
     }

@@ -6,9 +6,10 @@ unit's parameters are views of one flat parameter in the compute dtype (``split_
 (``cast_inputs``), each unit's outputs carry a pre-backward hook and each flat parameter a
 post-accumulate-grad hook that takes its gradient, as the shell's hooks do. ``LiveBytes`` on the
 fake tensors' ``meta`` storages counts every tensor the model's ops hold, the flat parameters
-and the buffers left out (FSDP's side, ``fsdp_core.memory.model_memory``, counts those): the
-bytes at each hook and step boundary, and the highest between them, are the
-``ActivationTrace``. The model is left as it was.
+and the buffers left out (FSDP's side, ``fsdp_core.memory.model_memory``, counts those), and
+torch's ``FlopCounterMode`` the work of its ops: the bytes at each hook and step boundary, the
+highest between them and the FLOPs until the next are the ``ActivationTrace``. The model is
+left as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from fsdp_core import Event, HookEvent, MixedPrecision, PlanRequest
 from fsdp_core.memory.model_memory import ActivationTrace, Mark, TracePoint
@@ -50,10 +52,13 @@ class TraceUnit:
 class _Recorder:
     """The points of one step as they happen; a tree's per-backward state as the shell keeps it."""
 
-    def __init__(self, live: LiveBytes) -> None:
+    def __init__(self, live: LiveBytes, flops: FlopCounterMode) -> None:
         self.live = live
+        self.flop_counter = flops
+        self.counted = 0
         self.points: list[tuple[HookEvent | Mark, int, int]] = []
         self.peaks: list[int] = []
+        self.flops: list[int] = []
         self.window: Window | None = None
         self.backward_started = False
         self.unsharded_for_backward: set[int] = set()
@@ -79,6 +84,7 @@ class _Recorder:
         if self.window is not None:
             self.live.close_window(self.window)
             self.peaks.append(self.window.peak)
+            self.flops.append(self._flops_since())
         nbytes = 0
         if taken is not None:
             before = self.live.current
@@ -87,14 +93,20 @@ class _Recorder:
         self.points.append((at, self.live.current + nbytes, nbytes))
         self.window = self.live.open_window()
 
+    def _flops_since(self) -> int:
+        total: int = self.flop_counter.get_total_flops()
+        done, self.counted = total - self.counted, total
+        return done
+
     def trace(self) -> ActivationTrace:
         assert self.window is not None
         self.live.close_window(self.window)
         self.peaks.append(self.window.peak)
+        self.flops.append(self._flops_since())
         return ActivationTrace(
             points=tuple(
-                TracePoint(at=at, live=live, peak=peak, taken=taken)
-                for (at, live, taken), peak in zip(self.points, self.peaks, strict=True)
+                TracePoint(at=at, live=live, peak=peak, taken=taken, flops=flops)
+                for (at, live, taken), peak, flops in zip(self.points, self.peaks, self.flops, strict=True)
             )
         )
 
@@ -117,9 +129,13 @@ def record_trace(
     with contextlib.ExitStack() as undo:
         undo.enter_context(_fake_buffers(module, fake, mixed_precision.buffer_dtype))
         flats = undo.enter_context(_flat_params(units, fake))
-        with fake, LiveBytes("meta", block=block) as live:
+        with (
+            fake,
+            LiveBytes("meta", block=block) as live,
+            FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops,
+        ):
             live.ignore([*flats.values(), *module.buffers()])
-            rec = _Recorder(live)
+            rec = _Recorder(live, flops)
             for index, unit in enumerate(units):
                 undo.enter_context(_hooked(unit, index, index == root, flats.get(index), rec, mixed_precision))
             rec.point(Mark.FORWARD_START)
@@ -130,6 +146,26 @@ def record_trace(
             del loss
             rec.point(Mark.STEP_END)
             return rec.trace()
+
+
+def _cpu_attention_flops(query: torch.Size, key: torch.Size, value: torch.Size, *args: object, **kwargs: object) -> int:
+    flops: int = sdpa_flop_count(query, key, value)  # type: ignore[no-untyped-call]  # unannotated in torch
+    return flops
+
+
+def _cpu_attention_backward_flops(
+    grad_out: torch.Size, query: torch.Size, key: torch.Size, value: torch.Size, *args: object, **kwargs: object
+) -> int:
+    flops: int = sdpa_backward_flop_count(grad_out, query, key, value)  # type: ignore[no-untyped-call]  # unannotated in torch
+    return flops
+
+
+_CPU_ATTENTION: dict[object, Callable[..., int]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+"""FLOP counts for the CPU's fused attention, which ``FlopCounterMode`` does not know: those of
+the CUDA kernels it stands in for (``sdpa_flop_count``), from the operands' shapes."""
 
 
 @contextlib.contextmanager
