@@ -141,6 +141,9 @@ def test_a_user_given_trace_chains_the_units() -> None:
         _hook(Event.POST_BACKWARD, 1): (64 + 230 + 400, 400),
         _hook(Event.POST_BACKWARD, 0): (64 + 30 + 120, 120),
     }
+    frozen = ActivationTrace.chain(request, saved=[30, 200], grads=[120, 0], inputs=64)
+    assert frozen.post_backward_order == (0,)
+    assert next(p for p in frozen.points if p.at is Mark.BACKWARD_END).live == 64, "every activation freed"
 
 
 def test_bad_input_fails_where_it_is_made() -> None:

@@ -237,7 +237,8 @@ class ActivationTrace:
                 case Event.POST_FORWARD:
                     live += saved[unit]
                 case Event.POST_BACKWARD:
-                    if not grads[unit]:
+                    if not grads[unit]:  # a frozen unit: no hook, its activations go all the same
+                        live -= saved[unit]
                         continue
                     taken = grads[unit]
                     live += taken
