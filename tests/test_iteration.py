@@ -27,7 +27,7 @@ from fsdp_core import (
     comm_volume,
     plan_post_backward,
 )
-from fsdp_core.memory import ActivationTrace, UnitSpec
+from fsdp_core.memory import ActivationTrace, Executor, UnitSpec
 from fsdp_core.sim import (
     ACTIVITY_MARKS,
     SEED_PARAMETERS,
@@ -808,3 +808,29 @@ def test_a_models_real_units_make_the_iteration() -> None:
     assert not any(i.activity in (Activity.REDUCE_SCATTER, Activity.ALL_REDUCE) for i in quiet.intervals)
     with pytest.raises(ValueError, match="flops_per_second"):
         model_of_units(units, trace, root=1, flops_per_second=0)
+
+
+def test_the_cpu_runtime_by_hand() -> None:
+    """``Executor.CPU_LANE``: the host thread computes and issues and waits for each shard-group
+    reduce-scatter; the replicate all-reduce runs on the lane. Async HSDP of the small model
+    (one collective per group): forward as on streams (0-8); u2's backward 11-13 after its
+    prefetched all-gather (8-11); its reduce-scatter on the host after u1's all-gather on the
+    shard group (11-14): 14-17, and u1's backward only after it, 17-19; u2's all-reduce on the
+    lane 17-37, u1's 37-57. At the root's plan the host waits for the lane work of the plan
+    before the last (u2's all-reduce): the root's reduce-scatter (free) at 37."""
+    t = simulate_iteration(dataclasses.replace(small(HSDP_ASYNC), executor=Executor.CPU_LANE))
+    assert at(t, Activity.BACKWARD, 2) == (11, 13) and at(t, Activity.BACKWARD_ALL_GATHER, 1) == (11, 14)
+    assert at(t, Activity.REDUCE_SCATTER, 2) == (14, 17) and t.find(Activity.REDUCE_SCATTER, 2).stream is Stream.COMPUTE
+    assert at(t, Activity.BACKWARD, 1) == (17, 19) and at(t, Activity.REDUCE_SCATTER, 1) == (19, 22)
+    assert at(t, Activity.ALL_REDUCE, 2) == (17, 37) and at(t, Activity.ALL_REDUCE, 1) == (37, 57)
+    assert at(t, Activity.REDUCE_SCATTER, 0) == (37, 37)
+    assert t.iteration_ms == 57
+    # On device streams u1's backward overlaps u2's reduce-scatter instead: 14-16.
+    assert at(simulate_iteration(small(HSDP_ASYNC)), Activity.BACKWARD, 1) == (14, 16)
+    # Sync HSDP on the CPU: the lane issues the shard group's collectives too (the all-gathers have
+    # a group of their own), so u1's reduce-scatter queues behind u2's all-reduce on the lane.
+    sync = simulate_iteration(dataclasses.replace(small(HSDP_SYNC), executor=Executor.CPU_LANE))
+    assert (
+        at(sync, Activity.REDUCE_SCATTER, 1) == (37, 40)
+        and sync.find(Activity.REDUCE_SCATTER, 1).stream is Stream.POST_BACKWARD
+    )

@@ -60,6 +60,7 @@ __all__ = [
     "BackwardMemory",
     "Executor",
     "HookFootprint",
+    "Place",
     "PlanMemory",
     "backward_footprints",
     "backward_memory",
@@ -80,6 +81,19 @@ class Executor(enum.Enum):
     CPU_LANE = "cpu_lane"
 
 
+class Place(enum.Enum):
+    """Where the runtime runs one op of a plan."""
+
+    STREAM = "stream"
+    """On its stream (a device's streams)."""
+    HOST = "host"
+    """On the CPU's host thread, which waits for a collective there."""
+    LANE = "lane"
+    """On the CPU's lane thread, in order behind earlier lane work."""
+    HOST_AFTER_DRAIN = "host_after_drain"
+    """On the host thread, once it has waited for all the lane's work."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlanMemory:
     """Device bytes allocated minus bytes returned since the plan started (module docstring).
@@ -94,10 +108,12 @@ class PlanMemory:
     ``handed_off``: bytes it hands to the optimizer (they live on as the sharded gradient).
     ``lane_keys``: the streams and groups with lane work at the end of the hook ops (behind for
     the next plan); ``drained``: whether the hook ops waited for the whole lane (returning what
-    earlier plans had freed)."""
+    earlier plans had freed). ``places``: where each op ran (the iteration simulator times the
+    CPU runtime by it)."""
 
     lane_keys: frozenset[Stream | Group]
     drained: bool
+    places: tuple[Place, ...]
 
     after: tuple[int, ...]
     peak: int
@@ -151,6 +167,7 @@ def plan_memory(
     return PlanMemory(
         lane_keys=frozenset(walk.hook_lane_keys),
         drained=walk.drained,
+        places=tuple(walk.places),
         after=tuple(walk.after),
         peak=walk.peak,
         peak_op=walk.peak_op,
@@ -193,6 +210,9 @@ class _Walk:
         self.inputs = 0
         self.handed_off = 0
         self.after: list[int] = []
+        self.places: list[Place] = []
+        self.place = Place.STREAM if executor is Executor.STREAMS else Place.HOST
+        """Where the op being walked runs."""
 
     # -- accounting ----------------------------------------------------------------------------
 
@@ -263,6 +283,7 @@ class _Walk:
         )
 
     def _to_lane(self, keys: tuple[Stream | Group, ...], uses: tuple[Buffer, ...]) -> None:
+        self.place = Place.LANE
         self.lane_streams.update(keys)
         self.lane_buffers.update(self._memory_of(b.name) for b in uses)
 
@@ -281,15 +302,18 @@ class _Walk:
             return True
         if behind:
             self._drain()
+            self.place = Place.HOST_AFTER_DRAIN
         return False
 
     def _on_host(self, uses: tuple[Buffer, ...]) -> None:
         if self.executor is Executor.CPU_LANE and self._behind((), uses):
             self._drain()
+            self.place = Place.HOST_AFTER_DRAIN
 
     # -- the ops -------------------------------------------------------------------------------
 
     def step(self, index: int, op: Op) -> None:
+        self.place = Place.STREAM if self.executor is Executor.STREAMS else Place.HOST
         match op:
             case Input():
                 self.held.setdefault(op.buffer.name, op.buffer)
@@ -302,6 +326,7 @@ class _Walk:
             case EndOfBackwardWait():
                 if self.executor is Executor.CPU_LANE:
                     self._drain()
+                    self.place = Place.HOST_AFTER_DRAIN
             case Free():
                 self._free(op.buffer)
             case Cast() | Pad():
@@ -342,6 +367,7 @@ class _Walk:
                 assert_never(op)
         self._note(index)
         self.after.append(self.live)
+        self.places.append(self.place)
 
     def _scratch(self, index: int, op: ReduceScatter) -> int:
         """The receive buffer of a summing reduce-scatter on gloo (module docstring)."""

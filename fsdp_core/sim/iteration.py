@@ -59,6 +59,8 @@ from typing import assert_never
 import torch
 
 from fsdp_core.memory.model_memory import ActivationTrace, UnitSpec
+from fsdp_core.memory.plan_memory import Executor, Place, backward_memory
+from fsdp_core.memory.unshard_memory import GLOO_ASYNC_GATHER_MAX_BYTES
 from fsdp_core.plan.comm import all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
@@ -81,7 +83,7 @@ from fsdp_core.plan.ops import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan.planner import build_plan, plan_post_backward
+from fsdp_core.plan.planner import PLANS_IN_FLIGHT, build_plan, plan_post_backward
 from fsdp_core.plan.request import Plan
 from fsdp_core.sim.costs import CostModel
 from fsdp_core.sim.links import Link, SimTask, run_tasks
@@ -221,6 +223,14 @@ class IterationModel:
     """The orders the shell recorded (``fsdp_shell.predict`` records them from a traced step),
     with their reshard and prefetch settings; None: a chain, ``units[0]`` the root wrapping the
     rest, resharding after forward, with the prefetch settings below."""
+    executor: Executor = Executor.STREAMS
+    """``STREAMS``: a device's streams (the module docstring). ``CPU_LANE``: the CPU runtime
+    (``fsdp_shell.runtime.cpu``): each plan op runs where ``plan_memory`` places it, on the host
+    thread (which does the compute, and issues and waits for a shard-group collective), on the
+    lane thread (the replicate all-reduce and what must wait for it), or on the host after it
+    has waited for the lane; at each plan's start the host waits for the lane work of plans more
+    than ``PLANS_IN_FLIGHT`` back; an all-gather runs on gloo's threads unless it is larger than
+    ``GLOO_ASYNC_GATHER_MAX_BYTES``, when the host waits for it."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
 
@@ -390,9 +400,9 @@ class IterationTimeline:
         return tuple(i for i in self.intervals if i.stream is stream)
 
     def exposed_ms(self, unit: int) -> float:
-        """How long ``unit``'s collectives ran while the compute stream did not: the time they add
+        """How long ``unit``'s collectives ran while no forward or backward did: the time they add
         to the iteration that overlap does not hide (their union, minus every compute interval)."""
-        compute = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.stream is Stream.COMPUTE])
+        compute = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.activity in _COMPUTE])
         mine = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.unit == unit and i.activity.is_collective])
         return _length(mine) - _length(_intersect(mine, compute))
 
@@ -406,6 +416,9 @@ class IterationTimeline:
             if i.link is not None:
                 on_path[i.link] = on_path.get(i.link, 0.0) + i.duration_ms
         return max(on_path, key=lambda link: (on_path[link], link.value)) if on_path else None
+
+
+_COMPUTE = (Activity.FORWARD, Activity.BACKWARD)
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -495,6 +508,10 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
     actions = plan_unshard(request)
     some = next((p for p in model.plans if p is not None), None)
     sharding = None if some is None else some.request.sharding
+    cpu = model.executor is Executor.CPU_LANE
+    places = _cpu_places(model, request) if cpu else {}
+    lane_marks: list[int | None] = []
+    """The CPU lane's last task when each plan began."""
 
     def link_of(group: Group) -> Link:
         assert sharding is not None
@@ -502,10 +519,12 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
 
     tasks: list[SimTask] = []
     labels: list[_Label] = []
-    last_on: dict[Stream, int] = {}
+    last_on: dict[Stream | str, int] = {}
+    """The last task of each queue: a stream, or the CPU's lane (``_LANE``)."""
     last_in: dict[Group, int] = {}
     gathered: dict[int, int] = {}  # unit -> its all-gather task, while gathered or in flight
     awaited: list[int] = []  # all-gathers the next compute task waits for
+    host_waits: set[int] = set()  # lane tasks the host waits for before its next task
 
     def add(
         unit: int,
@@ -516,19 +535,25 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
         group: Group | None = None,
         link: Link | None = None,
         after: tuple[int, ...] = (),
+        queue: Stream | str | None = None,
     ) -> int:
+        """A task on ``queue`` (default: ``stream``), shown on ``stream``."""
+        queue = stream if queue is None else queue
         deps = set(after)
-        if stream in last_on:
-            deps.add(last_on[stream])
-        if stream is not Stream.COMPUTE and Stream.COMPUTE in last_on:
+        if queue in last_on:
+            deps.add(last_on[queue])
+        if queue is not Stream.COMPUTE and Stream.COMPUTE in last_on:
             deps.add(last_on[Stream.COMPUTE])  # the host is in step with the compute stream
+        if queue is Stream.COMPUTE:
+            deps |= host_waits
+            host_waits.clear()
         if group is not None and links.one_collective_per_group and group in last_in:
             deps.add(last_in[group])
         index = len(tasks)
         slowdown = Fraction(1) if link is None else Fraction(links.compute_slowdown.of(activity, link))
         tasks.append(SimTask(after=tuple(sorted(deps)), work=Fraction(ms), link=link, compute_slowdown=slowdown))
         labels.append(_Label(unit=unit, activity=activity, stream=stream, group=group, link=link))
-        last_on[stream] = index
+        last_on[queue] = index
         if group is not None:
             last_in[group] = index
         return index
@@ -549,8 +574,15 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                         link = link_of(Group.SHARD)
                         given = model.units[action.unit].collectives
                         cost = given.all_gather_ms(link) if given else model.cost.collective_seconds(volume, link) * 1e3
+                        blocking = cpu and volume.output_bytes > GLOO_ASYNC_GATHER_MAX_BYTES
                         gathered[action.unit] = add(
-                            action.unit, activity, Stream.ALL_GATHER, cost, group=Group.SHARD, link=link
+                            action.unit,
+                            activity,
+                            Stream.ALL_GATHER,
+                            cost,
+                            group=Group.SHARD,
+                            link=link,
+                            queue=Stream.COMPUTE if blocking else None,
                         )
                 case AwaitGather():
                     if action.unit in gathered:
@@ -567,11 +599,24 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
         waits: dict[Stream, set[int]] = {}
         given = model.units[unit].collectives
         volumes = {v.op_index: v for v in comm_volume(plan)}
+        placed = places.get(unit, ())
+        if cpu:
+            if len(lane_marks) >= PLANS_IN_FLIGHT and (mark := lane_marks[-PLANS_IN_FLIGHT]) is not None:
+                host_waits.add(mark)
+            lane_marks.append(last_on.get(_LANE))
+        current = 0
 
         def on_stream(stream: Stream, activity: Activity, ms: float, group: Group | None = None) -> None:
             link = None if group is None else link_of(group)
-            after = tuple(waits.pop(stream, ()))
-            add(unit, activity, stream, ms, group=group, link=link, after=after)
+            if not cpu:
+                add(unit, activity, stream, ms, group=group, link=link, after=tuple(waits.pop(stream, ())))
+                return
+            place = placed[current]
+            if place is Place.HOST_AFTER_DRAIN and _LANE in last_on:
+                host_waits.add(last_on[_LANE])
+            on_lane = place is Place.LANE
+            shown = stream if on_lane else Stream.COMPUTE
+            add(unit, activity, shown, ms, group=group, link=link, queue=_LANE if on_lane else Stream.COMPUTE)
 
         def elementwise(stream: Stream, seconds: float) -> None:
             if given is None:
@@ -604,6 +649,7 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                     assert_never(op)
 
         for index, op in enumerate(plan.hook_ops):
+            current = index
             run_op(index, op)
 
     for event, unit in request.events:
@@ -632,6 +678,20 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
             case _:
                 assert_never(event)
     return tasks, labels
+
+
+_LANE = "lane"
+"""The queue of the CPU runtime's lane thread."""
+
+
+def _cpu_places(model: IterationModel, request: UnshardRequest) -> dict[int, tuple[Place, ...]]:
+    """Where the CPU runtime runs each op of each unit's plan, as ``backward_memory`` walks the
+    backward's plans in the order their hooks fire (the lane carried from plan to plan)."""
+    order = [u for e, u in request.events if e is Event.POST_BACKWARD and model.plans[u] is not None]
+    plans = [p for u in order if (p := model.plans[u]) is not None]
+    sync = any(p.request.hybrid_all_reduce is HybridAllReduce.SYNC for p in plans)
+    backward = backward_memory(plans, Executor.CPU_LANE, lane_issues_shard=sync)
+    return {u: hook.memory.places for u, hook in zip(order, backward.hooks)}
 
 
 def _critical_path(tasks: Sequence[SimTask], times: Sequence[tuple[Fraction, Fraction]]) -> tuple[int, ...]:
