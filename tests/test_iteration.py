@@ -54,6 +54,8 @@ from fsdp_core.sim import (
     fit_affine,
     fit_collectives,
     fit_seed,
+    fit_table,
+    flops_compute_ms,
     format_iteration,
     format_seed_table,
     iteration_to_trace,
@@ -760,7 +762,7 @@ def test_units_without_given_costs_are_priced_by_the_cost_model_from_their_plans
 
 def test_timed_collectives_replace_latency_and_bandwidth() -> None:
     fits = fit_collectives(emulated_cluster().samples)
-    cost = CostModel(measured=fits)
+    cost = CostModel(measured=fits.table())
     volume = comm_volume(
         plan_post_backward(
             FlatParamLayout.of([("w", (1000,))], torch.float32), ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2)
@@ -768,8 +770,14 @@ def test_timed_collectives_replace_latency_and_bandwidth() -> None:
     )
     (rs,) = [v for v in volume if v.collective == "reduce_scatter"]
     assert cost.collective_seconds(rs, INTRA) * 1e3 == pytest.approx(fits.reduce_scatter_intra.ms(4000))
-    assert fits.of(Collective.ALL_REDUCE, INTRA) is None
-    assert "timed collectives as fitted" in describe_cost(cost)
+    assert cost.collective_seconds(rs, INTER) * 1e3 == pytest.approx(fits.reduce_scatter_inter.ms(4000))
+    assert "timed collectives as fitted" in describe_cost(cost) and "fitted" not in describe_cost(CostModel())
+    table = fit_table([s for s in emulated_cluster().samples if s.link is INTER])
+    assert [(c, link) for c, link, _ in table] == [
+        (Collective.ALL_GATHER, INTER),
+        (Collective.REDUCE_SCATTER, INTER),
+        (Collective.ALL_REDUCE, INTER),
+    ]
 
 
 def test_a_models_real_units_make_the_iteration() -> None:
@@ -797,17 +805,20 @@ def test_a_models_real_units_make_the_iteration() -> None:
             dataclasses.replace(p, flops=30 if p.at == HookEvent(Event.PRE_FORWARD, 0) else 0) for p in trace.points
         )
     )
-    model = model_of_units(units, trace, root=1, flops_per_second=1e9, ranks_per_node=2)
+    compute = flops_compute_ms(trace, 2, 1, 1e9)
+    model = model_of_units(units, trace, root=1, compute_ms=compute, ranks_per_node=2)
     assert [u.name for u in model.units] == ["unit 0", "root"]
     assert model.units[0].forward_ms == pytest.approx(30 / 1e9 * 1e3)
     assert model.unshard is not None and model.unshard.root == 1
     t = simulate_iteration(model)
     assert {i.stream for i in t.intervals if i.activity is Activity.ALL_REDUCE} == {Stream.ALL_REDUCE}
     assert t.find(Activity.REDUCE_SCATTER, 0).link is INTRA and t.find(Activity.ALL_REDUCE, 0).link is INTER
-    quiet = simulate_iteration(model_of_units(units, trace, root=1, flops_per_second=1e9, sync=False))
+    quiet = simulate_iteration(model_of_units(units, trace, root=1, compute_ms=compute, sync=False))
     assert not any(i.activity in (Activity.REDUCE_SCATTER, Activity.ALL_REDUCE) for i in quiet.intervals)
     with pytest.raises(ValueError, match="flops_per_second"):
-        model_of_units(units, trace, root=1, flops_per_second=0)
+        flops_compute_ms(trace, 2, 1, 0)
+    with pytest.raises(ValueError, match="compute_ms"):
+        model_of_units(units, trace, root=1, compute_ms=compute[:1])
 
 
 def test_the_cpu_runtime_by_hand() -> None:

@@ -182,15 +182,23 @@ class ActivationTrace:
         )
 
     def unit_flops(self, units: int, root: int) -> tuple[tuple[int, int], ...]:
-        """Each unit's forward and backward FLOPs: in forward, what runs between a unit's
-        pre-forward and post-forward hooks outside units nested in it; in backward, what runs
-        after a unit's pre-backward hook until its post-backward one. The rest (the inputs, the
-        loss, the root's own modules, what runs between units) is the root's."""
-        forward, backward = [0] * units, [0] * units
+        """Each unit's forward and backward FLOPs (``unit_values`` of the points' ``flops``)."""
+        values = self.unit_values([p.flops for p in self.points], units, root)
+        return tuple((int(f), int(b)) for f, b in values)
+
+    def unit_values(self, values: Sequence[float], units: int, root: int) -> tuple[tuple[float, float], ...]:
+        """Each unit's forward and backward share of ``values`` (one per point, from it to the next:
+        FLOPs, seconds): in forward, what runs between a unit's pre-forward and post-forward
+        hooks outside units nested in it; in backward, what runs after a unit's pre-backward hook
+        until its post-backward one. The rest (the inputs, the loss, the root's own modules,
+        what runs between units) is the root's."""
+        if len(values) != len(self.points):
+            raise ValueError(f"values: expected one per point ({len(self.points)}), got {len(values)}")
+        forward, backward = [0.0] * units, [0.0] * units
         stack: list[int] = []
         running: list[int] = []
         in_backward = False
-        for p in self.points:
+        for p, value in zip(self.points, values):
             at = p.at
             if at is Mark.BACKWARD_START:
                 in_backward = True
@@ -212,9 +220,9 @@ class ActivationTrace:
                     case _:
                         assert_never(event)
             if in_backward:
-                backward[running[-1] if running else root] += p.flops
+                backward[running[-1] if running else root] += value
             else:
-                forward[stack[-1] if stack else root] += p.flops
+                forward[stack[-1] if stack else root] += value
         return tuple(zip(forward, backward))
 
     @classmethod

@@ -24,6 +24,7 @@ from fsdp_core.sim.costs import (
     describe_cost,
     fit_affine,
     fit_collectives,
+    fit_table,
 )
 from fsdp_core.sim.iteration import (
     Activity,
@@ -35,6 +36,7 @@ from fsdp_core.sim.iteration import (
     LinkModel,
     UnitCosts,
     describe_plans,
+    flops_compute_ms,
     group_link,
     model_of_units,
     simulate_iteration,
@@ -102,6 +104,8 @@ __all__ = [
     "fit_affine",
     "fit_collectives",
     "fit_seed",
+    "fit_table",
+    "flops_compute_ms",
     "format_iteration",
     "format_seed_table",
     "format_seed_timeline",

@@ -29,6 +29,7 @@ __all__ = [
     "describe_cost",
     "fit_affine",
     "fit_collectives",
+    "fit_table",
 ]
 
 
@@ -122,13 +123,9 @@ class CollectiveFits:
     reduce_scatter_inter: AffineCost
     all_reduce_inter: AffineCost
 
-    def of(self, collective: Collective, link: Link) -> AffineCost | None:
-        """The fit of ``collective`` on ``link``; None for one not fitted (an intra-node all-reduce)."""
-        for name, c, fitted_link in FITTED:
-            if c is collective and fitted_link is link:
-                fit: AffineCost = getattr(self, name)
-                return fit
-        return None
+    def table(self) -> tuple[tuple[Collective, Link, AffineCost], ...]:
+        """Every fit, as ``CostModel.measured`` takes them."""
+        return tuple((c, link, getattr(self, name)) for name, c, link in FITTED)
 
 
 FITTED: tuple[tuple[str, Collective, Link], ...] = (
@@ -138,6 +135,15 @@ FITTED: tuple[tuple[str, Collective, Link], ...] = (
     ("reduce_scatter_inter", Collective.REDUCE_SCATTER, Link.INTER_NODE),
     ("all_reduce_inter", Collective.ALL_REDUCE, Link.INTER_NODE),
 )
+
+
+def fit_table(samples: Sequence[CollectiveSample]) -> tuple[tuple[Collective, Link, AffineCost], ...]:
+    """``fit_affine`` of every (collective, link) ``samples`` hold, in the order they first
+    appear: ``CostModel.measured``."""
+    pairs = list(dict.fromkeys((s.collective, s.link) for s in samples))
+    return tuple(
+        (c, link, fit_affine([s for s in samples if s.collective is c and s.link is link])) for c, link in pairs
+    )
 
 
 def fit_collectives(samples: Sequence[CollectiveSample]) -> CollectiveFits:
@@ -174,9 +180,9 @@ class CostModel:
     host_bandwidth: float = 2.5e10
     """Device-to-host copy bandwidth (PCIe)."""
     collective_latency: float = 2.0e-5
-    measured: CollectiveFits | None = None
-    """Fits of timed collectives (``fit_collectives``), used instead of latency and bandwidth
-    for the collectives and links they cover."""
+    measured: tuple[tuple[Collective, Link, AffineCost], ...] = ()
+    """Fits of timed collectives (``fit_table``), used instead of latency and bandwidth for the
+    collectives and links they cover."""
 
     def __post_init__(self) -> None:
         for name in ("device_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth"):
@@ -185,8 +191,11 @@ class CostModel:
                 raise ValueError(f"{name}: expected a positive bandwidth, got {value}")
         if isinstance(self.collective_latency, bool) or not 0 <= self.collective_latency < math.inf:
             raise ValueError(f"collective_latency: expected >= 0, got {self.collective_latency}")
-        if self.measured is not None and not isinstance(self.measured, CollectiveFits):
-            raise TypeError(f"measured: expected None or CollectiveFits, got {self.measured!r}")
+        if not isinstance(self.measured, tuple) or not all(
+            isinstance(c, Collective) and isinstance(link, Link) and isinstance(fit, AffineCost)
+            for c, link, fit in self.measured
+        ):
+            raise TypeError(f"measured: expected a tuple of (Collective, Link, AffineCost), got {self.measured!r}")
 
     def bandwidth(self, link: Link) -> float:
         """``link``'s per-rank bus bandwidth."""
@@ -201,7 +210,7 @@ class CostModel:
     def collective_seconds(self, volume: CommVolume, link: Link) -> float:
         """What ``volume``'s collective costs alone on ``link``."""
         collective = Collective(volume.collective)
-        fit = None if self.measured is None else self.measured.of(collective, link)
+        fit = next((f for c, k, f in self.measured if c is collective and k is link), None)
         if fit is not None:
             nbytes = volume.output_bytes if collective is Collective.ALL_GATHER else volume.input_bytes
             return fit.ms(nbytes) / 1e3
@@ -219,7 +228,7 @@ class CostModel:
 def describe_cost(cost: CostModel) -> str:
     """One line naming what ``cost`` assumes, for a reader of a simulated timeline."""
     gb = 1e9
-    timed = "" if cost.measured is None else "; timed collectives as fitted"
+    timed = "; timed collectives as fitted" if cost.measured else ""
     return (
         f"assumed: intra-node {cost.intra_node_bandwidth / gb:g} GB/s and inter-node "
         f"{cost.inter_node_bandwidth / gb:g} GB/s per rank, device memory {cost.device_bandwidth / gb:g} GB/s, "

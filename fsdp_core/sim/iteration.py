@@ -103,6 +103,7 @@ __all__ = [
     "LinkModel",
     "UnitCosts",
     "describe_plans",
+    "flops_compute_ms",
     "group_link",
     "model_of_units",
     "simulate_iteration",
@@ -756,22 +757,22 @@ def model_of_units(
     trace: ActivationTrace,
     *,
     root: int,
-    flops_per_second: float,
+    compute_ms: Sequence[tuple[float, float]],
     cost: CostModel = CostModel(),
     ranks_per_node: int = 8,
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = False,
     sync: bool = True,
+    executor: Executor = Executor.STREAMS,
 ) -> IterationModel:
     """The iteration of a model's real units (``fsdp_core.memory.UnitSpec``, as the wrapper
     builds them): each unit's post-backward plan (inside ``no_sync()`` when not ``sync``: no
-    communication), the all-gather schedule's orders as ``trace`` recorded them, compute from the
-    FLOPs ``trace`` counted per unit at ``flops_per_second`` sustained, collectives and
-    element-wise ops priced by ``cost``. A unit with no parameters, or only frozen ones, has no
-    plan here."""
-    if isinstance(flops_per_second, bool) or not 0 < flops_per_second < math.inf:
-        raise ValueError(f"flops_per_second: expected a positive number, got {flops_per_second!r}")
-    flops = trace.unit_flops(len(units), root)
+    communication), the all-gather schedule's orders as ``trace`` recorded them, each unit's
+    forward and backward ``compute_ms`` (``flops_compute_ms`` of the traced FLOPs, or measured),
+    collectives and element-wise ops priced by ``cost``, run by ``executor``. A unit with no
+    parameters, or only frozen ones, has no plan here."""
+    if len(compute_ms) != len(units):
+        raise ValueError(f"compute_ms: expected one (forward, backward) per unit ({len(units)}), got {len(compute_ms)}")
     specs = [u for u in units if u is not None]
     strategy = specs[0].request.sharding.strategy
     low = any(u.request.compute_dtype != u.request.layout.dtype for u in specs)
@@ -788,10 +789,10 @@ def model_of_units(
     costs = tuple(
         UnitCosts(
             name=(u.name if u is not None and u.name else f"unit {index}") if index != root else "root",
-            forward_ms=forward / flops_per_second * 1e3,
-            backward_ms=backward / flops_per_second * 1e3,
+            forward_ms=forward,
+            backward_ms=backward,
         )
-        for index, (u, (forward, backward)) in enumerate(zip(units, flops))
+        for index, (u, (forward, backward)) in enumerate(zip(units, compute_ms))
     )
     flags = StepFlags(sync_gradients=sync)
     plans = tuple(
@@ -805,4 +806,18 @@ def model_of_units(
         unshard=unshard,
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
+        executor=executor,
+    )
+
+
+def flops_compute_ms(
+    trace: ActivationTrace, units: int, root: int, flops_per_second: float
+) -> tuple[tuple[float, float], ...]:
+    """Each unit's forward and backward ms at ``flops_per_second`` sustained, from the FLOPs
+    ``trace`` counted (``ActivationTrace.unit_flops``)."""
+    if isinstance(flops_per_second, bool) or not 0 < flops_per_second < math.inf:
+        raise ValueError(f"flops_per_second: expected a positive number, got {flops_per_second!r}")
+    return tuple(
+        (forward / flops_per_second * 1e3, backward / flops_per_second * 1e3)
+        for forward, backward in trace.unit_flops(units, root)
     )

@@ -29,7 +29,7 @@ from fsdp_core.memory.model_memory import (
     model_memory,
 )
 from fsdp_core.memory.optimizer import OptimizerKind, OptimizerSpec
-from fsdp_core.sim import CostModel, IterationTimeline, model_of_units, simulate_iteration
+from fsdp_core.sim import CostModel, IterationTimeline, flops_compute_ms, model_of_units, simulate_iteration
 from fsdp_shell.options import Options, parse_options
 from fsdp_shell.predict.trace import StepFn, TraceUnit, record_trace
 from fsdp_shell.units.build import OwnedParams, UnitSite, find_units, param_names, unit_params, unit_request
@@ -228,7 +228,7 @@ def predict_time(
                 prediction.units,
                 prediction.trace,
                 root=root,
-                flops_per_second=flops_per_second,
+                compute_ms=flops_compute_ms(prediction.trace, len(prediction.units), root, flops_per_second),
                 cost=cost,
                 ranks_per_node=ranks_per_node,
                 backward_prefetch=prediction.options.backward_prefetch,

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +35,7 @@ from fsdp_shell.memory.live import Window
 from fsdp_shell.units.flat_param import OrigParam, split_views
 from fsdp_shell.units.forward_io import cast_inputs, tensors_in
 
-__all__ = ["StepFn", "TraceUnit", "record_trace"]
+__all__ = ["StepFn", "TraceUnit", "record_trace", "time_trace"]
 
 StepFn = Callable[[nn.Module], torch.Tensor]
 """One forward of a training step: makes its inputs, runs the model, returns the loss."""
@@ -49,19 +52,17 @@ class TraceUnit:
     trainable: bool = True
 
 
-class _Recorder:
-    """The points of one step as they happen; a tree's per-backward state as the shell keeps it."""
+class _Points:
+    """What happens at each point of a step (``point``, by the recorders below); a tree's
+    per-backward state as the shell keeps it."""
 
-    def __init__(self, live: LiveBytes, flops: FlopCounterMode) -> None:
-        self.live = live
-        self.flop_counter = flops
-        self.counted = 0
-        self.points: list[tuple[HookEvent | Mark, int, int]] = []
-        self.peaks: list[int] = []
-        self.flops: list[int] = []
-        self.window: Window | None = None
+    def __init__(self) -> None:
         self.backward_started = False
         self.unsharded_for_backward: set[int] = set()
+
+    def point(self, at: HookEvent | Mark, taken: torch.Tensor | None = None) -> None:
+        """``at`` happens now; ``taken``: the gradient a post-backward hook takes, freed here."""
+        raise NotImplementedError
 
     def pre_backward(self, index: int, has_params: bool, grad: torch.Tensor) -> torch.Tensor:
         """A hook on a unit's outputs (``fsdp_shell.hooks.pre_backward``)."""
@@ -79,8 +80,36 @@ class _Recorder:
         self.backward_started = False
         self.unsharded_for_backward.clear()
 
+
+class _Clock(_Points):
+    """The wall-clock time of each point of real steps: from it to the next, in seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[HookEvent | Mark] = []
+        self.times: list[float] = []
+
     def point(self, at: HookEvent | Mark, taken: torch.Tensor | None = None) -> None:
-        """``at`` happens now; ``taken``: the gradient a post-backward hook takes, freed here."""
+        if taken is not None:
+            taken.untyped_storage().resize_(0)
+        self.at.append(at)
+        self.times.append(time.perf_counter())
+
+
+class _Recorder(_Points):
+    """The bytes and FLOPs of each point of a fake step."""
+
+    def __init__(self, live: LiveBytes, flops: FlopCounterMode) -> None:
+        super().__init__()
+        self.live = live
+        self.flop_counter = flops
+        self.counted = 0
+        self.points: list[tuple[HookEvent | Mark, int, int]] = []
+        self.peaks: list[int] = []
+        self.flops: list[int] = []
+        self.window: Window | None = None
+
+    def point(self, at: HookEvent | Mark, taken: torch.Tensor | None = None) -> None:
         if self.window is not None:
             self.live.close_window(self.window)
             self.peaks.append(self.window.peak)
@@ -122,12 +151,10 @@ def record_trace(
     """Autograd's bytes through one forward (``step``) and backward of ``module`` (module
     docstring); ``units`` by unit index, the root (``module`` itself) last; ``block``: each
     storage counted as ``LiveBytes`` counts it."""
-    root = len(units) - 1
-    if units[root].module is not module:
-        raise ValueError("units: the last unit must be the root module")
+    _check_root(module, units)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with contextlib.ExitStack() as undo:
-        undo.enter_context(_fake_buffers(module, fake, mixed_precision.buffer_dtype))
+        undo.enter_context(_cpu_buffers(module, fake, mixed_precision.buffer_dtype))
         flats = undo.enter_context(_flat_params(units, fake))
         with (
             fake,
@@ -136,16 +163,72 @@ def record_trace(
         ):
             live.ignore([*flats.values(), *module.buffers()])
             rec = _Recorder(live, flops)
-            for index, unit in enumerate(units):
-                undo.enter_context(_hooked(unit, index, index == root, flats.get(index), rec, mixed_precision))
-            rec.point(Mark.FORWARD_START)
-            loss = step(module)
-            rec.point(Mark.BACKWARD_START)
-            torch.autograd.backward(loss)
-            rec.point(Mark.BACKWARD_END)
-            del loss
-            rec.point(Mark.STEP_END)
+            _hook_all(units, flats, rec, mixed_precision, undo)
+            _run_step(module, step, rec)
             return rec.trace()
+
+
+def time_trace(
+    module: nn.Module,
+    units: Sequence[TraceUnit],
+    step: StepFn,
+    *,
+    mixed_precision: MixedPrecision,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> tuple[float, ...]:
+    """The same step run for real on the CPU, as ``record_trace`` runs it under the fake mode
+    (real flat parameters of small random values, zero buffers; the model is left as it was):
+    the median over ``repeats`` runs, after ``warmup`` more, of the seconds from each point to
+    the next, in ``record_trace``'s points' order (``ActivationTrace.unit_values`` gives each
+    unit's forward and backward). What the model's own ops take, without FSDP's collectives or
+    hooks."""
+    _check_root(module, units)
+    real: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    with contextlib.ExitStack() as undo:
+        undo.enter_context(_cpu_buffers(module, real, mixed_precision.buffer_dtype))
+        flats = undo.enter_context(_flat_params(units, real))
+        clock = _Clock()
+        _hook_all(units, flats, clock, mixed_precision, undo)
+        runs: list[list[float]] = []
+        at: list[HookEvent | Mark] = []
+        for run in range(warmup + repeats):
+            clock.at, clock.times = [], []
+            _run_step(module, step, clock)
+            if run >= warmup:
+                runs.append([b - a for a, b in itertools.pairwise(clock.times)] + [0.0])
+                at = clock.at
+        if any(len(r) != len(at) for r in runs):
+            raise RuntimeError("the step's hooks fired differently from run to run")
+        return tuple(statistics.median(column) for column in zip(*runs))
+
+
+def _check_root(module: nn.Module, units: Sequence[TraceUnit]) -> None:
+    if units[len(units) - 1].module is not module:
+        raise ValueError("units: the last unit must be the root module")
+
+
+def _hook_all(
+    units: Sequence[TraceUnit],
+    flats: dict[int, nn.Parameter],
+    points: _Points,
+    mixed_precision: MixedPrecision,
+    undo: contextlib.ExitStack,
+) -> None:
+    root = len(units) - 1
+    for index, unit in enumerate(units):
+        undo.enter_context(_hooked(unit, index, index == root, flats.get(index), points, mixed_precision))
+
+
+def _run_step(module: nn.Module, step: StepFn, points: _Points) -> None:
+    """One forward and backward, marking the step's boundaries."""
+    points.point(Mark.FORWARD_START)
+    loss = step(module)
+    points.point(Mark.BACKWARD_START)
+    torch.autograd.backward(loss)
+    points.point(Mark.BACKWARD_END)
+    del loss
+    points.point(Mark.STEP_END)
 
 
 def _cpu_attention_flops(query: torch.Size, key: torch.Size, value: torch.Size, *args: object, **kwargs: object) -> int:
@@ -169,14 +252,17 @@ the CUDA kernels it stands in for (``sdpa_flop_count``), from the operands' shap
 
 
 @contextlib.contextmanager
-def _fake_buffers(module: nn.Module, fake: FakeTensorMode, dtype: torch.dtype | None) -> Iterator[None]:
-    """Every buffer a fake tensor on the CPU for the block, floating-point ones in ``dtype``
-    when given (``cast_buffers``); their values are never needed."""
+def _cpu_buffers(
+    module: nn.Module, making: contextlib.AbstractContextManager[object], dtype: torch.dtype | None
+) -> Iterator[None]:
+    """Every buffer a tensor on the CPU made under ``making`` (a fake mode, or nothing) for the
+    block, floating-point ones in ``dtype`` when given (``cast_buffers``); zeros, their values
+    are never needed."""
     saved = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
     for m, name, b in saved:
         kind = dtype if dtype is not None and torch.is_floating_point(b) else b.dtype
-        with fake:
-            m._buffers[name] = torch.empty(b.shape, dtype=kind)
+        with making:
+            m._buffers[name] = torch.zeros(b.shape, dtype=kind)
     try:
         yield
     finally:
@@ -185,16 +271,19 @@ def _fake_buffers(module: nn.Module, fake: FakeTensorMode, dtype: torch.dtype | 
 
 
 @contextlib.contextmanager
-def _flat_params(units: Sequence[TraceUnit], fake: FakeTensorMode) -> Iterator[dict[int, nn.Parameter]]:
-    """Each unit's unsharded flat parameter, fake, in the compute dtype, its parameters taken
-    out of their modules for the block."""
+def _flat_params(
+    units: Sequence[TraceUnit], making: contextlib.AbstractContextManager[object]
+) -> Iterator[dict[int, nn.Parameter]]:
+    """Each unit's unsharded flat parameter made under ``making`` (a fake mode, or nothing), in
+    the compute dtype, small random values, its parameters taken out of their modules for the
+    block."""
     flats: dict[int, nn.Parameter] = {}
     saved: list[tuple[nn.Module, str, nn.Parameter | None]] = []
     for index, unit in enumerate(units):
         if unit.request is None:
             continue
-        with fake:
-            data = torch.empty(unit.request.layout.total_numel, dtype=unit.request.compute_dtype)
+        with making:
+            data = torch.randn(unit.request.layout.total_numel, dtype=unit.request.compute_dtype) * 0.02
         flats[index] = nn.Parameter(data, requires_grad=unit.trainable)
         for orig in unit.params:
             for m, attr in orig.slots():
@@ -209,7 +298,7 @@ def _flat_params(units: Sequence[TraceUnit], fake: FakeTensorMode) -> Iterator[d
 
 @contextlib.contextmanager
 def _hooked(
-    unit: TraceUnit, index: int, is_root: bool, flat: nn.Parameter | None, rec: _Recorder, mp: MixedPrecision
+    unit: TraceUnit, index: int, is_root: bool, flat: nn.Parameter | None, rec: _Points, mp: MixedPrecision
 ) -> Iterator[None]:
     """The shell's hooks on ``unit`` for the block (``fsdp_shell.hooks``), recording instead of
     gathering and reducing."""
