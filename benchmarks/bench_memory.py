@@ -56,14 +56,18 @@ class Config:
     optimizer: str = "adamw"
     """``adamw``, ``adam``, ``sgd`` or ``sgd_momentum`` (torch's defaults, lr aside)."""
     hybrid_all_reduce: str = "async"
+    ranks: int | None = None
+    """The world's size; None: 4 for hybrid strategies (2 x 2), else 2."""
 
     @property
     def world(self) -> int:
+        if self.ranks is not None:
+            return self.ranks
         return 4 if self.strategy.startswith("HYBRID") else 2
 
     @property
     def shard_size(self) -> int | None:
-        return 2 if self.strategy.startswith("HYBRID") else None
+        return min(2, self.world) if self.strategy.startswith("HYBRID") else None
 
 
 CONFIGS: dict[str, Config] = {}
@@ -145,8 +149,10 @@ def _wrap(impl: str, cfg: Config) -> nn.Module:
 
     module, block = net(cfg)
     mesh = None
-    if cfg.strategy.startswith("HYBRID"):
-        mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
+    if cfg.shard_size is not None:
+        mesh = init_device_mesh(
+            "cpu", (cfg.world // cfg.shard_size, cfg.shard_size), mesh_dim_names=("replicate", "shard")
+        )
     precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
     offload = CPUOffload(offload_params=cfg.offload)
     prefetch = None if cfg.backward_prefetch == "none" else cfg.backward_prefetch
