@@ -113,7 +113,8 @@ def predict_memory(
     names = param_names(module)
     sites = find_units(module, options.wrap, lambda m: False)
     owned = unit_params(sites, names, lambda m: False)
-    units = tuple(_unit(o, options, division, sharding, path) for o, path in zip(owned, _paths(module, sites)))
+    paths = tuple(_paths(module, sites))
+    units = tuple(_unit(o, options, division, sharding, path) for o, path in zip(owned, paths))
     trace = record_trace(
         module,
         [
@@ -147,7 +148,7 @@ def predict_memory(
     )
     return Prediction(
         units=units,
-        paths=tuple(_paths(module, sites)),
+        paths=paths,
         trace=trace,
         ranks=ranks,
         options=options,
