@@ -15,15 +15,25 @@ own, none on the configuration it predicts:
   that then trains, with the runtime's own gloo collectives; ``fit_table`` fits them
   (``CostModel.measured``); gloo runs a group's collectives side by side
   (``LinkModel(one_collective_per_group=False)``);
-- **FSDP's host work per unit** (hooks, the plan interpreter): calibrated on a world of one
-  rank training the same model: what its measured iteration takes beyond its simulated one
-  without host work, scaled by how much slower compute runs in the world than alone, shared
-  equally by the units, half in forward, half in backward;
+- **FSDP's host work per unit** (hooks, the plan interpreter, casts): calibrated on a world of
+  one rank training the same model: what its measured iteration takes beyond its simulated one
+  without host work, shared equally by the units, half in forward, half in backward;
 - **the optimizer step**: ``step()`` and ``zero_grad()`` on tensors of the shapes each rank's
   optimizer steps (``optimized_tensors``), every rank at once.
 
+What a collective costs *inside* a step beyond its time alone (the host issuing it and handing
+it to gloo's threads, the wake-up of a rank that computed meanwhile) is not measured apart: it
+is the prediction's two free parameters, ``InStep``'s ms per all-gather and ms per reduction,
+fitted (least squares, >= 0) on the other configurations' rows, never on the row predicted.
+
 Measured: the median over ``--steps`` steps (after warm-up) of each rank's forward + backward
-and optimizer time, the worst rank. Printed: predicted / measured, per configuration.
+and optimizer time, the worst rank. Printed per world as it runs: the simulated and measured
+ms, and where the time goes (the host thread's time blocked in collectives' ``wait`` against
+the simulated iteration's time not computing, the rest against the simulated compute and host
+work); at the end, predicted / measured per configuration (simulated + ``InStep``) and how many
+are within 10%. With ``--repeat N`` each configuration's world is started N times in the same
+run, each simulated from its own inputs and measured: the spread of the measured times is how
+closely this machine can check any prediction.
 """
 
 from __future__ import annotations
@@ -33,7 +43,9 @@ import contextlib
 import dataclasses
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -48,9 +60,11 @@ from fsdp_core.memory import optimized_tensors
 from fsdp_core.memory.plan_memory import Executor
 from fsdp_core.plan.planner import build_plan
 from fsdp_core.sim import (
+    Activity,
     Collective,
     CollectiveSample,
     CostModel,
+    IterationTimeline,
     Link,
     LinkModel,
     fit_table,
@@ -62,6 +76,7 @@ from fsdp_shell.predict import Prediction
 from fsdp_shell.predict.trace import TraceUnit, time_trace
 from fsdp_shell.runtime.collectives import all_gather_flat
 from fsdp_shell.runtime.cpu import gloo_receive_buffer, gloo_reduce_scatter
+from fsdp_shell.runtime.protocol import Pending
 from fsdp_shell.units.build import find_units, param_names, unit_params
 from tests.dist_harness import run_world
 
@@ -120,6 +135,28 @@ def _wait(work: object) -> None:
         wait()
 
 
+@contextlib.contextmanager
+def host_waits(seconds: list[float]) -> Iterator[None]:
+    """Add to ``seconds[0]`` the time the main thread spends in ``Pending.wait`` inside."""
+    wait: Callable[[Pending], None] = Pending.wait
+    main = threading.main_thread()
+
+    def timed(self: Pending) -> None:
+        if threading.current_thread() is not main:
+            return wait(self)
+        start = time.perf_counter()
+        try:
+            return wait(self)
+        finally:
+            seconds[0] += time.perf_counter() - start
+
+    Pending.wait = timed  # type: ignore[method-assign]  # a benchmark's probe, restored below
+    try:
+        yield
+    finally:
+        Pending.wait = wait  # type: ignore[method-assign,assignment]  # restoring the original
+
+
 @dataclasses.dataclass
 class Measured:
     compute: list[tuple[float, float]]
@@ -131,6 +168,8 @@ class Measured:
     """Per ``sizes`` entry, its median ms alone."""
     forward_backward_ms: float
     optimizer_ms: float
+    waits_ms: float
+    """Of ``forward_backward_ms``'s step, the host thread's time in collectives' ``wait``."""
 
 
 def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int]) -> Measured:
@@ -144,24 +183,31 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int]) -> 
     model = _wrap("ours", cfg)
     opt = optimizer_of(cfg, model.parameters())
     collectives = [_collective_ms(model, s, 20) for s in wanted]
-    forward_backward, optimizer = [], []
+    forward_backward, optimizer, waits = [], [], []
     for step in range(warmup + steps):
         for micro in range(cfg.accumulate):
             sync = micro == cfg.accumulate - 1
             dist.barrier()
+            waited = [0.0]
             start = time.perf_counter()
-            with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]  # our wrapper
+            with host_waits(waited), contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]  # our wrapper
                 loss = loss_of(model, cfg, rank, step)
                 torch.autograd.backward(loss)
             if step >= warmup and sync:
                 forward_backward.append((time.perf_counter() - start) * 1e3)
+                waits.append(waited[0] * 1e3)
         start = time.perf_counter()
         opt.step()
         opt.zero_grad()
         if step >= warmup:
             optimizer.append((time.perf_counter() - start) * 1e3)
     return Measured(
-        compute, optimizer_alone, collectives, statistics.median(forward_backward), statistics.median(optimizer)
+        compute,
+        optimizer_alone,
+        collectives,
+        statistics.median(forward_backward),
+        statistics.median(optimizer),
+        statistics.median(waits),
     )
 
 
@@ -196,14 +242,17 @@ def optimizer_ms(cfg: Config, p: Prediction, repeats: int = 9) -> float:
     return statistics.median(times[2:])
 
 
-def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, world: int) -> float:
-    """The simulated iteration's ms."""
+HOST_WORK = (Activity.FORWARD, Activity.BACKWARD, Activity.ELEMENTWISE)
+"""The simulated activities that are the host thread computing (the rest is communication)."""
+
+
+def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, world: int) -> IterationTimeline:
+    """The simulated iteration of ``p``'s units on the CPU runtime (``Executor.CPU_LANE``)."""
     assert isinstance(table, tuple)
-    root = len(p.units) - 1
     model = model_of_units(
         p.units,
         p.trace,
-        root=root,
+        root=len(p.units) - 1,
         compute_ms=compute,
         cost=CostModel(measured=table),
         ranks_per_node=world,
@@ -211,7 +260,19 @@ def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, w
         forward_prefetch=p.options.forward_prefetch,
         executor=Executor.CPU_LANE,
     )
-    return simulate_iteration(model, LinkModel(one_collective_per_group=False)).iteration_ms
+    return simulate_iteration(model, LinkModel(one_collective_per_group=False))
+
+
+def working_ms(timeline: IterationTimeline) -> float:
+    """Of the simulated iteration, the ms the host thread spends computing."""
+    return sum(i.duration_ms for i in timeline.intervals if i.activity in HOST_WORK)
+
+
+def collective_counts(timeline: IterationTimeline) -> tuple[int, int]:
+    """The iteration's all-gathers and its reductions (reduce-scatters, all-reduces)."""
+    gathers = sum(i.activity in (Activity.FORWARD_ALL_GATHER, Activity.BACKWARD_ALL_GATHER) for i in timeline.intervals)
+    reductions = sum(i.activity in (Activity.REDUCE_SCATTER, Activity.ALL_REDUCE) for i in timeline.intervals)
+    return gathers, reductions
 
 
 def samples(wanted: list[Size], ranks: list[Measured]) -> list[CollectiveSample]:
@@ -230,31 +291,99 @@ def _worst(ranks: list[Measured]) -> list[tuple[float, float]]:
     return [(max(c[0] for c in column), max(c[1] for c in column)) for column in zip(*(r.compute for r in ranks))]
 
 
-def run(cfg: Config, steps: int, warmup: int) -> tuple[float, float, str]:
-    """(predicted, measured) ms per step of ``cfg``, and what went into the prediction."""
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One world's measurement of a configuration and its simulated iteration (ms per step)."""
+
+    name: str
+    simulated: float
+    """The simulated iteration plus the optimizer step, before ``InStep`` is added."""
+    measured: float
+    gathers: int
+    reductions: int
+    parts: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InStep:
+    """What a collective costs inside a training step beyond its time alone: the host issuing it
+    and handing it to gloo's threads, the wake-up of a rank that computed meanwhile. The free
+    parameters of the prediction, each fitted (least squares, >= 0) on the other configurations'
+    rows, never on the row it predicts."""
+
+    per_gather_ms: float
+    per_reduction_ms: float
+
+    def of(self, row: Row) -> float:
+        return self.per_gather_ms * row.gathers + self.per_reduction_ms * row.reductions
+
+    @staticmethod
+    def fit(rows: list[Row]) -> InStep:
+        """The non-negative least-squares fit of ``measured - simulated`` over ``rows``."""
+        best: tuple[float, InStep] | None = None
+        for use_g, use_r in ((True, True), (True, False), (False, True), (False, False)):
+            columns = [[float(r.gathers) for r in rows]] * use_g + [[float(r.reductions) for r in rows]] * use_r
+            gaps = torch.tensor([[r.measured - r.simulated] for r in rows], dtype=torch.float64)
+            coef: list[float] = []
+            if columns:
+                a = torch.tensor(columns, dtype=torch.float64).T
+                coef = torch.linalg.lstsq(a, gaps).solution.flatten().tolist()
+            if any(c < 0 for c in coef):
+                continue
+            g = coef.pop(0) if use_g else 0.0
+            r = coef.pop(0) if use_r else 0.0
+            fitted = InStep(g, r)
+            err = sum((r.measured - r.simulated - fitted.of(r)) ** 2 for r in rows)
+            if best is None or err < best[0]:
+                best = (err, fitted)
+        assert best is not None
+        return best[1]
+
+
+def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1) -> list[Row]:
+    """Per world started (``repeat`` of them), ``cfg`` measured and simulated (ms per step),
+    FSDP's host work calibrated once, on a world of one."""
     p = predict(cfg)
     solo_cfg = dataclasses.replace(cfg, ranks=1)
     solo = predict(solo_cfg)
     wanted, solo_wanted = sizes(p), sizes(solo)
     (alone,) = run_world(1, measure, (solo_cfg, solo_wanted, steps, warmup), timeout=900)
-    ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup), timeout=900)
-    bare = simulate(solo, alone.compute, fit_table(samples(solo_wanted, [alone])), 1)
-    compute, compute_alone = _worst(ranks), alone.compute
-    busy = sum(f + b for f, b in compute) / sum(f + b for f, b in compute_alone)
-    host = max(0.0, alone.forward_backward_ms - bare) * busy
+    bare = simulate(solo, alone.compute, fit_table(samples(solo_wanted, [alone])), 1).iteration_ms
+    host = max(0.0, alone.forward_backward_ms - bare)
     share = host / sum(u is not None for u in p.units) / 2
-    with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
-    iteration = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world)
-    optimizer = max(r.optimizer_alone_ms for r in ranks)
-    measured = max(r.forward_backward_ms + r.optimizer_ms for r in ranks)
-    alone_ms = alone.forward_backward_ms
-    parts = (
-        f"compute {sum(f + b for f, b in compute):.2f} ({busy:.2f}x one rank's), host work {host:.2f} (one rank: "
-        f"{alone_ms:.2f} measured, {bare:.2f} simulated without), iteration {iteration:.2f}, "
-        f"optimizer {optimizer:.2f}; measured iteration {max(r.forward_backward_ms for r in ranks):.2f}, optimizer "
-        f"{max(r.optimizer_ms for r in ranks):.2f}"
-    )
-    return iteration + optimizer, measured, parts
+    rows = []
+    for _ in range(repeat):
+        ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup), timeout=900)
+        compute = _worst(ranks)
+        with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
+        timeline = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world)
+        iteration, working = timeline.iteration_ms, working_ms(timeline)
+        optimizer = max(r.optimizer_alone_ms for r in ranks)
+        slowest = max(ranks, key=lambda r: r.forward_backward_ms + r.optimizer_ms)
+        gathers, reductions = collective_counts(timeline)
+        parts = (
+            f"compute {sum(f + b for f, b in compute):.2f}, host work {host:.2f} (one rank: "
+            f"{alone.forward_backward_ms:.2f} measured, {bare:.2f} simulated without); iteration "
+            f"{iteration:.2f} = working {working:.2f} + waiting {iteration - working:.2f}, measured "
+            f"{slowest.forward_backward_ms:.2f} = {slowest.forward_backward_ms - slowest.waits_ms:.2f} + "
+            f"{slowest.waits_ms:.2f}; optimizer {optimizer:.2f}, measured {slowest.optimizer_ms:.2f}; "
+            f"{gathers} all-gathers, {reductions} reductions"
+        )
+        rows.append(
+            Row(
+                name,
+                iteration + optimizer,
+                slowest.forward_backward_ms + slowest.optimizer_ms,
+                gathers,
+                reductions,
+                parts,
+            )
+        )
+        print(
+            f"{name:<46} simulated {rows[-1].simulated:>8.2f}, measured {rows[-1].measured:>8.2f} ms  {parts}",
+            flush=True,
+        )
+    return rows
 
 
 def main() -> None:
@@ -262,10 +391,38 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="worlds started per configuration")
     args = parser.parse_args()
-    for name in [n for n in args.configs.split(",") if n]:
-        predicted, measured, parts = run(CONFIGS[name], args.steps, args.warmup)
-        print(f"{name:<46} {predicted:>8.2f} / {measured:>8.2f} ms  {predicted / measured:.3f}  {parts}", flush=True)
+    names = [n for n in args.configs.split(",") if n]
+    if len(names) < 3:
+        parser.error("--configs: give at least 3 (each is predicted from the others' in-step costs)")
+    rows = [row for name in names for row in run(name, CONFIGS[name], args.steps, args.warmup, args.repeat)]
+    print("\npredicted = simulated + in-step costs fitted on the other configurations:")
+    ratios, bare = [], []
+    for name in names:
+        mine = [r for r in rows if r.name == name]
+        fitted = InStep.fit([r for r in rows if r.name != name])
+        for row in mine:
+            predicted = row.simulated + fitted.of(row)
+            ratios.append(predicted / row.measured)
+            bare.append(row.simulated / row.measured)
+            print(
+                f"{name:<46} {predicted:>8.2f} / {row.measured:>8.2f} ms  {ratios[-1]:.3f}  (simulated "
+                f"{row.simulated:.2f}; {fitted.per_gather_ms:.3f} ms per all-gather, "
+                f"{fitted.per_reduction_ms:.3f} per reduction)"
+            )
+        if len(mine) > 1:
+            measured = [r.measured for r in mine]
+            print(f"{name:<46} measured max / min over {len(mine)} worlds: {max(measured) / min(measured):.3f}")
+    everything = InStep.fit(rows)
+    print(
+        f"in-step costs fitted on every row: {everything.per_gather_ms:.3f} ms per all-gather, "
+        f"{everything.per_reduction_ms:.3f} ms per reduction"
+    )
+    print(f"simulated / measured: {min(bare):.3f} - {max(bare):.3f}, median {statistics.median(bare):.3f}")
+    print(f"predicted / measured: {min(ratios):.3f} - {max(ratios):.3f}, median {statistics.median(ratios):.3f}")
+    within = sum(abs(r - 1) <= 0.1 for r in ratios)
+    print(f"within 10%: {within} of {len(ratios)}")
 
 
 if __name__ == "__main__":
