@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
 import gc
 import json
 import os
@@ -248,7 +249,11 @@ def _block_collectives(
     return out
 
 
-def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[Measurements, float]:
+Spans = tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
+"""Per block, its forward's and its backward's ms in each timed step (``_unit_compute``)."""
+
+
+def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[Measurements, float, Spans]:
     """What the simulator needs, timed on this rank of the cluster (means of ``repeats``):
 
     - every collective FSDP issues, alone, at two sizes (a block's flat parameter and a quarter
@@ -257,7 +262,7 @@ def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[
     - each unit's forward and backward compute inside training (``_unit_compute``);
 
     and what the measured step adds to the simulated iteration (the input, the optimizer step,
-    ``zero_grad``, the closing barrier), in ms."""
+    ``zero_grad``, the closing barrier), in ms; and each block's compute per step."""
     repeats, shape = arg
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
@@ -272,15 +277,21 @@ def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[
                     collective=Collective(collective),
                     link=Link(link),
                     nbytes=nbytes,
-                    ms=_mean_ms(lambda start=start: start()(), repeats),
+                    ms=_mean_ms(functools.partial(_issue_and_wait, start), repeats),
                 )
             )
     block = {key: start for key, (_, start) in _block_collectives(block_numel, groups, replicate).items()}
     slowdowns, sharing = _interference(block, repeats)
-    units, outside = _unit_compute(_build("ours-hybrid-async", mesh), repeats, shape, rank)
-    return Measurements(
-        units=units, samples=tuple(samples), ranks_per_node=2, slowdowns=slowdowns, sharing=sharing
-    ), outside
+    units, outside, spans = _unit_compute(_build("ours-hybrid-async", mesh), repeats, shape, rank)
+    return (
+        Measurements(units=units, samples=tuple(samples), ranks_per_node=2, slowdowns=slowdowns, sharing=sharing),
+        outside,
+        spans,
+    )
+
+
+def _issue_and_wait(start: Started) -> None:
+    start()()
 
 
 def _world() -> dist.ProcessGroup:
@@ -383,7 +394,7 @@ def _interference(
 
 def _unit_compute(
     model: nn.Module, steps: int, shape: tuple[int, int], rank: int, warmup: int = 2
-) -> tuple[tuple[MeasuredUnit, ...], float]:
+) -> tuple[tuple[MeasuredUnit, ...], float, Spans]:
     """Each unit's forward and backward compute as it runs inside training on this cluster
     (so with the other ranks' compute and the collectives competing for the cores), means over
     ``steps`` steps after ``warmup`` (a new model's first steps allocate and initialise):
@@ -398,7 +409,7 @@ def _unit_compute(
     The root's own layers (an input projection, a one-output head) cost next to nothing and are
     left at 0. Also what the measured step spends outside the simulated iteration: the input,
     the optimizer step and ``zero_grad``, and a barrier (the benchmark times each step up to
-    one); its mean in ms."""
+    one); its mean in ms. And each block's forward and backward ms in every step (``Spans``)."""
     blocks = [m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)]
     wrappers = {id(getattr(m, "module", None)): m for m in model.modules() if isinstance(m, FSDP)}
     marks: dict[tuple[int, str], list[float]] = {}
@@ -444,8 +455,11 @@ def _unit_compute(
         if step >= 0:
             outside.append((t1 - t0 + t3 - t2 + time.perf_counter() - t4) * 1e3)
 
+    def per_step(i: int, a: str, b: str) -> tuple[float, ...]:
+        return tuple((e - s) * 1e3 for s, e in zip(marks[(i, a)], marks[(i, b)]))
+
     def span(i: int, a: str, b: str) -> float:
-        return statistics.fmean(e - s for s, e in zip(marks[(i, a)], marks[(i, b)])) * 1e3
+        return statistics.fmean(per_step(i, a, b))
 
     numel = sum(p.numel() for p in nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, batch_first=True).parameters())
     root_numel = (32 + 1) * D_MODEL + D_MODEL + 1
@@ -461,7 +475,27 @@ def _unit_compute(
             for i in range(len(blocks))
         ),
     )
-    return units, statistics.fmean(outside)
+    spans = tuple((per_step(i, "f0", "f1"), per_step(i, "b0", "grad")) for i in range(len(blocks)))
+    return units, statistics.fmean(outside), spans
+
+
+def slowest_rank(measured: Measurements, per_rank: Sequence[Spans]) -> Measurements:
+    """``measured`` with each block's forward and backward the mean over steps of the slowest
+    rank's in that step: a collective starts when the last rank of its group reaches it, so in a
+    step each block costs its slowest rank's time, and a different rank may be slowest in each."""
+
+    def worst(column: Sequence[tuple[float, ...]]) -> float:
+        return statistics.fmean(max(step) for step in zip(*column))
+
+    blocks = [
+        dataclasses.replace(
+            unit,
+            forward_ms=worst([spans[i][0] for spans in per_rank]),
+            backward_ms=worst([spans[i][1] for spans in per_rank]),
+        )
+        for i, unit in enumerate(measured.units[1:])
+    ]
+    return dataclasses.replace(measured, units=(measured.units[0], *blocks))
 
 
 R = TypeVar("R")
@@ -589,9 +623,10 @@ def main() -> None:
     )
     measured = _report(run(seed_table, arg), args.rounds)  # type: ignore[arg-type]
     if args.calibrate:
-        per_rank = cast(list[tuple[Measurements, float]], run(calibrate, (9, shape)))  # type: ignore[arg-type]
-        measurements = _mean_record([m for m, _ in per_rank])
-        outside = statistics.fmean(o for _, o in per_rank)
+        per_rank = cast(list[tuple[Measurements, float, Spans]], run(calibrate, (9, shape)))  # type: ignore[arg-type]
+        measurements = _mean_record([m for m, _, _ in per_rank])
+        outside = statistics.fmean(o for _, o, _ in per_rank)
+        slowest = slowest_rank(measurements, [spans for _, _, spans in per_rank])
         print(
             "  collectives alone (mean of 9, mean over ranks): "
             + "; ".join(
@@ -617,6 +652,10 @@ def main() -> None:
             "  compute per unit (fwd/bwd ms): "
             + ", ".join(f"{u.name} {u.forward_ms:.1f}/{u.backward_ms:.1f}" for u in measurements.units)
         )
+        print(
+            "  compute per unit, the slowest rank's in each step (fwd/bwd ms): "
+            + ", ".join(f"{u.name} {u.forward_ms:.1f}/{u.backward_ms:.1f}" for u in slowest.units)
+        )
         simulated = _simulate(measurements)
         links = simulated["ours-full"].links
         c = links.compute_slowdown
@@ -634,7 +673,13 @@ def main() -> None:
             ms = timeline.iteration_ms + outside
             print(
                 f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
-                f"simulated/measured {ms / measured[config]:.2f}"
+                f"simulated/measured {ms / measured[config]:.2f}   (compute of the mean rank)"
+            )
+        for config, timeline in _simulate(slowest).items():
+            ms = timeline.iteration_ms + outside
+            print(
+                f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
+                f"simulated/measured {ms / measured[config]:.2f}   (compute of the slowest rank per step)"
             )
         if trace is not None:
             _write_simulated(Path(trace), measurements, outside, simulated)
