@@ -186,16 +186,17 @@ def seed_table(rank: int, world: int, arg: tuple[int, int, str | None, tuple[int
     return times
 
 
-def _mean_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Mean ms of ``repeats`` calls of ``fn``, each after a barrier (means, not medians: the
-    simulator adds durations, and on two shared cores they have long tails; the mean of a sum is
-    the sum of the means, the median is not)."""
+def _mean_ms(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """Mean ms of ``repeats`` calls of ``fn``, each after a barrier, after ``warmup`` untimed
+    ones (means, not medians: the simulator adds durations, and on two shared cores they have
+    long tails; the mean of a sum is the sum of the means, the median is not)."""
     times = []
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
         dist.barrier()
         start = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
     return statistics.fmean(times)
 
 
@@ -257,7 +258,10 @@ def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[
     """What the simulator needs, timed on this rank of the cluster (means of ``repeats``):
 
     - every collective FSDP issues, alone, at two sizes (a block's flat parameter and a quarter
-      of it), as the runtime issues it (``_block_collectives``);
+      of it), as the runtime issues it (``_block_collectives``), after as many untimed calls:
+      a group's first large collectives after the world starts are slow and speed up over
+      several calls (the 3 MiB intra-node all-gather here: 50 ms, then 33, 25, 25, 15, ... 7),
+      as they are not in training after its warm-up steps;
     - how much what runs beside a collective in training slows it (``_interference``);
     - each unit's forward and backward compute inside training (``_unit_compute``);
 
@@ -277,7 +281,7 @@ def calibrate(rank: int, world: int, arg: tuple[int, tuple[int, int]]) -> tuple[
                     collective=Collective(collective),
                     link=Link(link),
                     nbytes=nbytes,
-                    ms=_mean_ms(functools.partial(_issue_and_wait, start), repeats),
+                    ms=_mean_ms(functools.partial(_issue_and_wait, start), repeats, warmup=repeats),
                 )
             )
     block = {key: start for key, (_, start) in _block_collectives(block_numel, groups, replicate).items()}

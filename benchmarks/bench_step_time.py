@@ -99,14 +99,17 @@ def sizes(p: Prediction) -> list[Size]:
 
 
 def _time(run: object, repeats: int) -> float:
-    """The median ms of ``run()`` over ``repeats``, every rank starting together."""
+    """The median ms of ``run()`` over ``repeats``, every rank starting together, after as many
+    untimed calls (a group's first collectives after the world starts are slow and speed up over
+    several calls; in training they have had the warm-up steps)."""
     assert callable(run)
     times = []
-    for _ in range(repeats):
+    for i in range(2 * repeats):
         dist.barrier()
         start = time.perf_counter()
         run()
-        times.append((time.perf_counter() - start) * 1e3)
+        if i >= repeats:
+            times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
