@@ -32,7 +32,8 @@ iteration time (``calibrate``; every number a mean over repeats and over the fou
 
 - every collective FSDP issues, alone, at two sizes, as the runtime issues it
   (``model_from_measurements`` fits latency + bytes / bandwidth to them);
-- each block's forward and backward compute inside training;
+- each block's forward and backward compute inside training (the mean rank's, and the slowest
+  rank's in each step: both predictions are printed);
 - how the processor shared by four ranks on two cores slows collectives
   (``links_from_measurements``): each collective beside every rank's compute (the
   ``LinkModel.compute_slowdown`` of each collective: measured 1.2x to 5x), the intra-node ones
