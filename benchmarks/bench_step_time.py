@@ -322,25 +322,17 @@ class InStep:
 
     @staticmethod
     def fit(rows: list[Row]) -> InStep:
-        """The non-negative least-squares fit of ``measured - simulated`` over ``rows``."""
-        best: tuple[float, InStep] | None = None
-        for use_g, use_r in ((True, True), (True, False), (False, True), (False, False)):
-            columns = [[float(r.gathers) for r in rows]] * use_g + [[float(r.reductions) for r in rows]] * use_r
-            gaps = torch.tensor([[r.measured - r.simulated] for r in rows], dtype=torch.float64)
-            coef: list[float] = []
-            if columns:
-                a = torch.tensor(columns, dtype=torch.float64).T
-                coef = torch.linalg.lstsq(a, gaps).solution.flatten().tolist()
-            if any(c < 0 for c in coef):
-                continue
-            g = coef.pop(0) if use_g else 0.0
-            r = coef.pop(0) if use_r else 0.0
-            fitted = InStep(g, r)
-            err = sum((r.measured - r.simulated - fitted.of(r)) ** 2 for r in rows)
-            if best is None or err < best[0]:
-                best = (err, fitted)
-        assert best is not None
-        return best[1]
+        """The non-negative least-squares fit of ``measured - simulated`` over ``rows``: of the
+        unconstrained fits with both, one or neither parameter free, the best with none < 0."""
+        counts = torch.tensor([[row.gathers, row.reductions] for row in rows], dtype=torch.float64)
+        gaps = torch.tensor([[row.measured - row.simulated] for row in rows], dtype=torch.float64)
+        candidates = [InStep(0.0, 0.0)]
+        for free in ([0, 1], [0], [1]):
+            solution = torch.linalg.lstsq(counts[:, free], gaps).solution.flatten().tolist()
+            if min(solution) >= 0:
+                values = dict(zip(free, solution))
+                candidates.append(InStep(values.get(0, 0.0), values.get(1, 0.0)))
+        return min(candidates, key=lambda c: sum((row.measured - row.simulated - c.of(row)) ** 2 for row in rows))
 
 
 def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1) -> list[Row]:
