@@ -674,18 +674,13 @@ def main() -> None:
             f"  outside the simulated iteration (input, optimizer step, zero_grad, barrier): {outside:.1f} ms, "
             f"added to each prediction"
         )
-        for config, timeline in simulated.items():
-            ms = timeline.iteration_ms + outside
-            print(
-                f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
-                f"simulated/measured {ms / measured[config]:.2f}   (compute of the mean rank)"
-            )
-        for config, timeline in _simulate(slowest).items():
-            ms = timeline.iteration_ms + outside
-            print(
-                f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
-                f"simulated/measured {ms / measured[config]:.2f}   (compute of the slowest rank per step)"
-            )
+        for compute, timelines in (("the mean rank", simulated), ("the slowest rank per step", _simulate(slowest))):
+            for config, timeline in timelines.items():
+                ms = timeline.iteration_ms + outside
+                print(
+                    f"  simulated {config:<18} {ms:8.1f} ms/iter   measured {measured[config]:8.1f}   "
+                    f"simulated/measured {ms / measured[config]:.2f}   (compute of {compute})"
+                )
         if trace is not None:
             _write_simulated(Path(trace), measurements, outside, simulated)
     if trace is not None:

@@ -246,7 +246,8 @@ def optimizer_ms(cfg: Config, p: Prediction, repeats: int = 9) -> float:
 
 
 HOST_WORK = (Activity.FORWARD, Activity.BACKWARD, Activity.ELEMENTWISE)
-"""The simulated activities that are the host thread computing (the rest is communication)."""
+"""The simulated activities that are computing, not communicating (the element-wise ops the CPU
+runtime runs on its lane thread among them)."""
 
 
 def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, world: int) -> IterationTimeline:
@@ -267,7 +268,8 @@ def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, w
 
 
 def working_ms(timeline: IterationTimeline) -> float:
-    """Of the simulated iteration, the ms the host thread spends computing."""
+    """Of the simulated iteration, the ms spent computing (``HOST_WORK``): nearly all of it on
+    the host thread, the counterpart of a step's time outside collectives' ``wait``."""
     return sum(i.duration_ms for i in timeline.intervals if i.activity in HOST_WORK)
 
 
