@@ -27,20 +27,22 @@ is the prediction's two free parameters, ``InStep``'s ms per all-gather and ms p
 fitted (least squares, >= 0) on the other configurations' rows, never on the row predicted.
 
 Measured: the median over ``--steps`` steps (after warm-up) of each rank's forward + backward
-and optimizer time, the worst rank. Printed per world as it runs: the simulated and measured
-ms, and where the time goes (the host thread's time blocked in collectives' ``wait`` against
-the simulated iteration's time not computing, the rest against the simulated compute and host
-work); at the end, predicted / measured per configuration (simulated + ``InStep``) and how many
-are within 10%. With ``--repeat N`` each configuration's world is started N times in the same
-run, each simulated from its own inputs and measured: the spread of the measured times is how
-closely this machine can check any prediction.
-"""
+(the synchronising one, after ``no_sync()`` ones when the configuration accumulates) and
+optimizer time, the worst rank. Each rank runs on one core of its own (``pin``; ``--no-pin``
+leaves its threads to the scheduler), while timing the inputs as while training. Printed per
+world as it runs: the simulated and measured ms, and where the time goes (the host thread's time
+blocked in collectives' ``wait`` against the simulated iteration's time not computing, the rest
+against the simulated compute and host work); at the end, predicted / measured per configuration
+(simulated + ``InStep``) and how many are within 10%. With ``--repeat N`` each configuration's
+world is started N times in the same run, each simulated from its own inputs and measured: the
+spread of the measured times is how closely this machine can check any prediction."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import os
 import statistics
 import sys
 import threading
@@ -175,10 +177,22 @@ class Measured:
     """Of ``forward_backward_ms``'s step, the host thread's time in collectives' ``wait``."""
 
 
-def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int]) -> Measured:
+def pin(rank: int) -> None:
+    """Run this rank's threads on one core only, ``rank`` modulo the cores (as a rank owns its
+    GPU): left to the scheduler, two ranks' threads migrate between the cores and one
+    configuration's median step differed up to 1.8x between worlds started one after the other;
+    pinned, 1.25x."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool]) -> Measured:
     """The compute and the optimizer step without FSDP (every rank at once, as they will
-    train), each collective alone, then ``steps`` training steps (after ``warmup``) timed."""
-    cfg, wanted, steps, warmup = job
+    train), each collective alone, then ``steps`` training steps (after ``warmup``) timed;
+    everything on one core per rank if ``pinned`` (``pin``)."""
+    cfg, wanted, steps, warmup, pinned = job
+    if pinned:
+        pin(rank)
     p = predict(cfg)
     dist.barrier()
     compute = local_compute(cfg, p)
@@ -251,7 +265,8 @@ runtime runs on its lane thread among them)."""
 
 
 def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, world: int) -> IterationTimeline:
-    """The simulated iteration of ``p``'s units on the CPU runtime (``Executor.CPU_LANE``)."""
+    """The simulated iteration of ``p``'s units on the CPU runtime (``Executor.CPU_LANE``): the
+    synchronising one, after one inside ``no_sync()`` when ``p`` accumulates (as measured)."""
     assert isinstance(table, tuple)
     model = model_of_units(
         p.units,
@@ -263,6 +278,7 @@ def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, w
         backward_prefetch=p.options.backward_prefetch,
         forward_prefetch=p.options.forward_prefetch,
         executor=Executor.CPU_LANE,
+        follows_no_sync=p.accumulate > 1,
     )
     return simulate_iteration(model, LinkModel(one_collective_per_group=False))
 
@@ -337,20 +353,20 @@ class InStep:
         return min(candidates, key=lambda c: sum((row.measured - row.simulated - c.of(row)) ** 2 for row in rows))
 
 
-def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1) -> list[Row]:
+def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned: bool = True) -> list[Row]:
     """Per world started (``repeat`` of them), ``cfg`` measured and simulated (ms per step),
-    FSDP's host work calibrated once, on a world of one."""
+    FSDP's host work calibrated once, on a world of one; each rank on one core if ``pinned``."""
     p = predict(cfg)
     solo_cfg = dataclasses.replace(cfg, ranks=1)
     solo = predict(solo_cfg)
     wanted, solo_wanted = sizes(p), sizes(solo)
-    (alone,) = run_world(1, measure, (solo_cfg, solo_wanted, steps, warmup), timeout=900)
+    (alone,) = run_world(1, measure, (solo_cfg, solo_wanted, steps, warmup, pinned), timeout=900)
     bare = simulate(solo, alone.compute, fit_table(samples(solo_wanted, [alone])), 1).iteration_ms
     host = max(0.0, alone.forward_backward_ms - bare)
     share = host / sum(u is not None for u in p.units) / 2
     rows = []
     for _ in range(repeat):
-        ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup), timeout=900)
+        ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup, pinned), timeout=900)
         compute = _worst(ranks)
         with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
         timeline = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world)
@@ -389,11 +405,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=1, help="worlds started per configuration")
+    parser.add_argument("--no-pin", action="store_true", help="leave the ranks' threads to the scheduler")
     args = parser.parse_args()
     names = [n for n in args.configs.split(",") if n]
     if len(names) < 3:
         parser.error("--configs: give at least 3 (each is predicted from the others' in-step costs)")
-    rows = [row for name in names for row in run(name, CONFIGS[name], args.steps, args.warmup, args.repeat)]
+    rows = [
+        row for name in names for row in run(name, CONFIGS[name], args.steps, args.warmup, args.repeat, not args.no_pin)
+    ]
     print("\npredicted = simulated + in-step costs fitted on the other configurations:")
     ratios, bare = [], []
     for name in names:

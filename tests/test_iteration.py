@@ -417,6 +417,11 @@ def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> N
             "same sharding",
         ),
         (lambda: IterationModel(units=small().units, plans=plans_of(FSDP), ranks_per_node=0), ValueError, "ranks"),
+        (
+            lambda: IterationModel(units=small().units, plans=plans_of(FSDP), gathered_at_start=frozenset({3})),
+            ValueError,
+            "gathered_at_start",
+        ),
     ],
 )
 def test_bad_inputs_fail_at_construction(build: object, error: type[Exception], fragment: str) -> None:
@@ -819,6 +824,55 @@ def test_a_models_real_units_make_the_iteration() -> None:
         flops_compute_ms(trace, 2, 1, 0)
     with pytest.raises(ValueError, match="compute_ms"):
         model_of_units(units, trace, root=1, compute_ms=compute[:1])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fresh_gathers", "later_gathers", "kept"),
+    [
+        (ShardingStrategy.SHARD_GRAD_OP, 2, 0, True),
+        (ShardingStrategy.FULL_SHARD, 3, 3, False),
+        (ShardingStrategy.NO_SHARD, 0, 0, True),
+    ],
+)
+def test_after_no_sync_zero2_starts_gathered_and_each_plan_adds_the_carried_gradient(
+    strategy: ShardingStrategy, fresh_gathers: int, later_gathers: int, kept: bool
+) -> None:
+    """Inside ``no_sync()`` ``SHARD_GRAD_OP`` keeps the unsharded parameters (FSDP1's
+    ``_should_free_in_backward``): the forward-backward after it all-gathers nothing, where a
+    fresh one gathers both units in forward (2). ``FULL_SHARD`` resharded them: the root in
+    forward, unit 0 in forward and again in backward (3), after ``no_sync`` as before.
+    ``NO_SHARD`` never gathers, its parameters always whole. Every
+    plan after ``no_sync`` starts with the unsharded gradient the ``no_sync`` plan handed off."""
+    sharding = ShardingSpec.for_world(strategy, 2)
+    units = tuple(
+        UnitSpec(request=PlanRequest(layout=FlatParamLayout.of([("w", (n,))], torch.float32), sharding=sharding))
+        for n in (1000, 30)
+    )
+    trace = ActivationTrace.chain(
+        UnshardRequest(
+            units=2,
+            root=1,
+            forward_order=(1, 0),
+            backward_order=(1, 0),
+            reshard_after_forward=strategy.reshards_after_forward,
+            reshard_after_backward=strategy.is_sharded,
+        ),
+        saved=[10, 10],
+        grads=[4000, 120],
+    )
+    gathers = (Activity.FORWARD_ALL_GATHER, Activity.BACKWARD_ALL_GATHER)
+    for sync in (True, False):
+        fresh, later = (
+            model_of_units(units, trace, root=1, compute_ms=((1.0, 2.0), (1.0, 2.0)), sync=sync, follows_no_sync=f)
+            for f in (False, True)
+        )
+        assert later.gathered_at_start == (frozenset({0, 1}) if kept else frozenset()) and not fresh.gathered_at_start
+        assert sum(i.activity in gathers for i in simulate_iteration(fresh).intervals) == fresh_gathers
+        assert sum(i.activity in gathers for i in simulate_iteration(later).intervals) == later_gathers
+        for before, after in zip(fresh.plans, later.plans):
+            assert before is not None and after is not None
+            assert not before.request.flags.pending_unsharded and after.request.flags.pending_unsharded
+            assert after.request.flags.sync_gradients is sync
 
 
 def test_the_cpu_runtime_by_hand() -> None:

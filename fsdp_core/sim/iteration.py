@@ -61,6 +61,7 @@ import torch
 from fsdp_core.memory.model_memory import ActivationTrace, UnitSpec
 from fsdp_core.memory.plan_memory import Executor, Place, backward_memory
 from fsdp_core.memory.unshard_memory import GLOO_ASYNC_GATHER_MAX_BYTES
+from fsdp_core.plan.carry import step_flags
 from fsdp_core.plan.comm import all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
@@ -84,7 +85,7 @@ from fsdp_core.plan.ops import (
     WaitStream,
 )
 from fsdp_core.plan.planner import PLANS_IN_FLIGHT, build_plan, plan_post_backward
-from fsdp_core.plan.request import Plan
+from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.sim.costs import CostModel
 from fsdp_core.sim.links import Link, SimTask, run_tasks
 from fsdp_core.sim.timeline import elementwise_bytes
@@ -234,6 +235,10 @@ class IterationModel:
     ``GLOO_ASYNC_GATHER_MAX_BYTES``, when the host waits for it."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
+    gathered_at_start: frozenset[int] = frozenset()
+    """Units whose unsharded parameter the previous forward-backward left gathered (inside
+    ``no_sync()``, the strategies that do not reshard after forward keep it: FSDP1's
+    ``_should_free_in_backward``): their ``Gather`` issues no all-gather until they are resharded."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.units, tuple) or not self.units or not all(isinstance(u, UnitCosts) for u in self.units):
@@ -264,6 +269,13 @@ class IterationModel:
             )
         if not isinstance(self.forward_prefetch, bool):
             raise TypeError(f"IterationModel.forward_prefetch: expected a bool, got {self.forward_prefetch!r}")
+        if not isinstance(self.gathered_at_start, frozenset) or not all(
+            isinstance(u, int) and not isinstance(u, bool) and 0 <= u < len(self.units) for u in self.gathered_at_start
+        ):
+            raise ValueError(
+                f"IterationModel.gathered_at_start: expected a frozenset of unit indices in 0..{len(self.units) - 1}, "
+                f"got {self.gathered_at_start!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -523,7 +535,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
     last_on: dict[Stream | str, int] = {}
     """The last task of each queue: a stream, or the CPU's lane (``_LANE``)."""
     last_in: dict[Group, int] = {}
-    gathered: dict[int, int] = {}  # unit -> its all-gather task, while gathered or in flight
+    gathered: dict[int, int | None] = dict.fromkeys(model.gathered_at_start)
+    """unit -> its all-gather task while gathered or in flight; None: gathered before the iteration."""
     awaited: list[int] = []  # all-gathers the next compute task waits for
     host_waits: set[int] = set()  # lane tasks the host waits for before its next task
 
@@ -586,8 +599,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                             queue=Stream.COMPUTE if blocking else None,
                         )
                 case AwaitGather():
-                    if action.unit in gathered:
-                        awaited.append(gathered[action.unit])
+                    if (task := gathered.get(action.unit)) is not None:
+                        awaited.append(task)
                 case Reshard():
                     gathered.pop(action.unit, None)
                 case _:
@@ -763,6 +776,7 @@ def model_of_units(
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = False,
     sync: bool = True,
+    follows_no_sync: bool = False,
     executor: Executor = Executor.STREAMS,
 ) -> IterationModel:
     """The iteration of a model's real units (``fsdp_core.memory.UnitSpec``, as the wrapper
@@ -770,7 +784,13 @@ def model_of_units(
     communication), the all-gather schedule's orders as ``trace`` recorded them, each unit's
     forward and backward ``compute_ms`` (``flops_compute_ms`` of the traced FLOPs, or measured),
     collectives and element-wise ops priced by ``cost``, run by ``executor``. A unit with no
-    parameters, or only frozen ones, has no plan here."""
+    parameters, or only frozen ones, has no plan here.
+
+    ``follows_no_sync``: the forward-backward after one inside ``no_sync()`` (the second and later
+    of an accumulation window). Each plan starts with what the ``no_sync`` plan handed off (its
+    ``carried_out``: the unsharded gradient to add), and where the strategy keeps the unsharded
+    parameters inside ``no_sync()`` (``ShardingStrategy.reshards_after_backward``: the ZeRO-2
+    ones) every unit starts gathered (``IterationModel.gathered_at_start``): no all-gathers."""
     if len(compute_ms) != len(units):
         raise ValueError(f"compute_ms: expected one (forward, backward) per unit ({len(units)}), got {len(compute_ms)}")
     specs = [u for u in units if u is not None]
@@ -794,10 +814,19 @@ def model_of_units(
         )
         for index, (u, (forward, backward)) in enumerate(zip(units, compute_ms))
     )
-    flags = StepFlags(sync_gradients=sync)
+    quiet = StepFlags(sync_gradients=False)
+
+    def flags(request: PlanRequest) -> StepFlags:
+        if not follows_no_sync:
+            return StepFlags(sync_gradients=sync)
+        handed = build_plan(dataclasses.replace(request, flags=quiet)).carried_out
+        return step_flags(frozenset(() if handed is None else (handed,)), sync_gradients=sync, requires_all_reduce=True)
+
     plans = tuple(
-        None if u is None or not u.trainable else build_plan(dataclasses.replace(u.request, flags=flags)) for u in units
+        None if u is None or not u.trainable else build_plan(dataclasses.replace(u.request, flags=flags(u.request)))
+        for u in units
     )
+    kept = follows_no_sync and not strategy.reshards_after_backward(False)
     return IterationModel(
         units=costs,
         plans=plans,
@@ -807,6 +836,7 @@ def model_of_units(
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
         executor=executor,
+        gathered_at_start=frozenset(i for i, p in enumerate(plans) if p is not None) if kept else frozenset(),
     )
 
 

@@ -198,10 +198,17 @@ def _optimizer_order(
 @dataclass(frozen=True, slots=True)
 class StepTime:
     """A modeled optimizer step: its forward-backwards inside ``no_sync()`` (none without
-    accumulation) and the synchronising one, each a simulated iteration."""
+    accumulation) and the synchronising one, each a simulated iteration. Every forward-backward
+    after the window's first starts with what the one before left: its unsharded gradients to
+    add and, with a ZeRO-2 strategy, its unsharded parameters (``model_of_units``'
+    ``follows_no_sync``)."""
 
     no_sync: IterationTimeline | None
+    """The window's first forward-backward, inside ``no_sync()``; None without accumulation."""
+    no_sync_again: IterationTimeline | None
+    """Each later one inside ``no_sync()``; None with fewer than 3 per step."""
     sync: IterationTimeline
+    """The last, synchronising one (after one inside ``no_sync()`` when accumulating)."""
     accumulate: int
     flops_per_second: float
     cost: CostModel
@@ -209,8 +216,9 @@ class StepTime:
     @property
     def step_ms(self) -> float:
         """The whole step: every forward-backward of the accumulation window."""
-        quiet = 0.0 if self.no_sync is None else self.no_sync.iteration_ms
-        return (self.accumulate - 1) * quiet + self.sync.iteration_ms
+        first = 0.0 if self.no_sync is None else self.no_sync.iteration_ms
+        again = 0.0 if self.no_sync_again is None else self.no_sync_again.iteration_ms
+        return first + max(0, self.accumulate - 2) * again + self.sync.iteration_ms
 
 
 def predict_time(
@@ -222,8 +230,9 @@ def predict_time(
     optimizer step is not in it. A model, not a measurement: the sustained rate and the links are
     assumptions to name."""
     root = len(prediction.units) - 1
+    accumulate = prediction.accumulate
 
-    def iteration(sync: bool) -> IterationTimeline:
+    def iteration(sync: bool, follows_no_sync: bool) -> IterationTimeline:
         return simulate_iteration(
             model_of_units(
                 prediction.units,
@@ -235,13 +244,15 @@ def predict_time(
                 backward_prefetch=prediction.options.backward_prefetch,
                 forward_prefetch=prediction.options.forward_prefetch,
                 sync=sync,
+                follows_no_sync=follows_no_sync,
             )
         )
 
     return StepTime(
-        no_sync=iteration(False) if prediction.accumulate > 1 else None,
-        sync=iteration(True),
-        accumulate=prediction.accumulate,
+        no_sync=iteration(False, False) if accumulate > 1 else None,
+        no_sync_again=iteration(False, True) if accumulate > 2 else None,
+        sync=iteration(True, accumulate > 1),
+        accumulate=accumulate,
         flops_per_second=flops_per_second,
         cost=cost,
     )

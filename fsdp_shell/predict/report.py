@@ -227,6 +227,14 @@ def _compute_ms(timeline: IterationTimeline) -> float:
     return sum(i.duration_ms for i in timeline.intervals if i.stream.value == "compute")
 
 
+def _window(t: StepTime) -> str:
+    """The accumulation window's forward-backwards, or nothing without accumulation."""
+    if t.no_sync is None:
+        return ""
+    again = "" if t.no_sync_again is None else f", then {t.accumulate - 2} x {t.no_sync_again.iteration_ms:,.1f} ms"
+    return f" (inside no_sync: {t.no_sync.iteration_ms:,.1f} ms{again}; synchronising: {t.sync.iteration_ms:,.1f} ms)"
+
+
 def format_step_time(p: Prediction, t: StepTime) -> str:
     """The modeled step time, its compute and exposed communication, the limiting link, the most
     exposed units and what was assumed."""
@@ -234,8 +242,7 @@ def format_step_time(p: Prediction, t: StepTime) -> str:
     link = sync.limiting_link
     lines = [
         f"step time, modeled (fsdp_core.sim.simulate_iteration; not measured): {t.step_ms:,.1f} ms per optimizer step"
-        + ("" if t.no_sync is None else f" ({t.accumulate - 1} x {t.no_sync.iteration_ms:,.1f} ms inside no_sync + ")
-        + ("" if t.no_sync is None else f"{sync.iteration_ms:,.1f} ms synchronising)"),
+        + _window(t),
         f"  forward + backward compute {_compute_ms(sync):,.1f} ms at {t.flops_per_second / 1e12:g} TFLOP/s (traced "
         f"FLOPs); exposed communication {sync.iteration_ms - _compute_ms(sync):,.1f} ms; limited by "
         f"{'compute' if link is None else link.value}",
@@ -254,6 +261,7 @@ def step_time_to_json(p: Prediction, t: StepTime) -> dict[str, JsonValue]:
         "step_ms": t.step_ms,
         "sync_ms": t.sync.iteration_ms,
         "no_sync_ms": None if t.no_sync is None else t.no_sync.iteration_ms,
+        "no_sync_again_ms": None if t.no_sync_again is None else t.no_sync_again.iteration_ms,
         "compute_ms": _compute_ms(t.sync),
         "limiting_link": None if t.sync.limiting_link is None else t.sync.limiting_link.value,
         "exposed_ms": dict[str, JsonValue](_exposed(p, t.sync)),
