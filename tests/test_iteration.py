@@ -785,26 +785,32 @@ def test_timed_collectives_replace_latency_and_bandwidth() -> None:
     ]
 
 
-def test_a_models_real_units_make_the_iteration() -> None:
-    """``model_of_units``: the units' own plans (their sharding and placement), the recorded
-    orders, compute from traced FLOPs: here 1e9 FLOP/s, so 30 and 700 FLOPs are 3e-5 and 7e-4 ms."""
-    sharding = ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 4, 2)
+def two_units(sharding: ShardingSpec) -> tuple[tuple[UnitSpec, ...], ActivationTrace]:
+    """Unit 0 (1000 elements) inside the root, unit 1 (30): their specs and a traced chain."""
     units = tuple(
         UnitSpec(request=PlanRequest(layout=FlatParamLayout.of([("w", (n,))], torch.float32), sharding=sharding))
         for n in (1000, 30)
     )
+    strategy = sharding.strategy
     trace = ActivationTrace.chain(
         UnshardRequest(
             units=2,
             root=1,
             forward_order=(1, 0),
             backward_order=(1, 0),
-            reshard_after_forward=True,
-            reshard_after_backward=True,
+            reshard_after_forward=strategy.reshards_after_forward,
+            reshard_after_backward=strategy.is_sharded,
         ),
         saved=[10, 10],
         grads=[4000, 120],
     )
+    return units, trace
+
+
+def test_a_models_real_units_make_the_iteration() -> None:
+    """``model_of_units``: the units' own plans (their sharding and placement), the recorded
+    orders, compute from traced FLOPs: here 1e9 FLOP/s, so 30 and 700 FLOPs are 3e-5 and 7e-4 ms."""
+    units, trace = two_units(ShardingSpec.for_world(ShardingStrategy.HYBRID_SHARD, 4, 2))
     trace = ActivationTrace(
         points=tuple(
             dataclasses.replace(p, flops=30 if p.at == HookEvent(Event.PRE_FORWARD, 0) else 0) for p in trace.points
@@ -843,23 +849,7 @@ def test_after_no_sync_zero2_starts_gathered_and_each_plan_adds_the_carried_grad
     forward, unit 0 in forward and again in backward (3), after ``no_sync`` as before.
     ``NO_SHARD`` never gathers, its parameters always whole. Every
     plan after ``no_sync`` starts with the unsharded gradient the ``no_sync`` plan handed off."""
-    sharding = ShardingSpec.for_world(strategy, 2)
-    units = tuple(
-        UnitSpec(request=PlanRequest(layout=FlatParamLayout.of([("w", (n,))], torch.float32), sharding=sharding))
-        for n in (1000, 30)
-    )
-    trace = ActivationTrace.chain(
-        UnshardRequest(
-            units=2,
-            root=1,
-            forward_order=(1, 0),
-            backward_order=(1, 0),
-            reshard_after_forward=strategy.reshards_after_forward,
-            reshard_after_backward=strategy.is_sharded,
-        ),
-        saved=[10, 10],
-        grads=[4000, 120],
-    )
+    units, trace = two_units(ShardingSpec.for_world(strategy, 2))
     gathers = (Activity.FORWARD_ALL_GATHER, Activity.BACKWARD_ALL_GATHER)
     for sync in (True, False):
         fresh, later = (

@@ -814,12 +814,11 @@ def model_of_units(
         )
         for index, (u, (forward, backward)) in enumerate(zip(units, compute_ms))
     )
-    quiet = StepFlags(sync_gradients=False)
 
     def flags(request: PlanRequest) -> StepFlags:
         if not follows_no_sync:
             return StepFlags(sync_gradients=sync)
-        handed = build_plan(dataclasses.replace(request, flags=quiet)).carried_out
+        handed = build_plan(dataclasses.replace(request, flags=StepFlags(sync_gradients=False))).carried_out
         return step_flags(frozenset(() if handed is None else (handed,)), sync_gradients=sync, requires_all_reduce=True)
 
     plans = tuple(
