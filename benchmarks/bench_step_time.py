@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -65,6 +66,7 @@ from fsdp_core.sim import (
     Activity,
     Collective,
     CollectiveSample,
+    ComputeSlowdown,
     CostModel,
     IterationTimeline,
     Link,
@@ -115,7 +117,8 @@ def _time(run: object, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _collective_ms(model: torch.nn.Module, size: Size, repeats: int) -> float:
+def _issuer(model: torch.nn.Module, size: Size) -> Callable[[], Pending]:
+    """A function that issues ``size``'s collective as the runtime does, returning it in flight."""
     collective, group, numel, dtype = size
     assert isinstance(model, FSDP)
     groups = model._tree.groups
@@ -124,20 +127,73 @@ def _collective_ms(model: torch.nn.Module, size: Size, repeats: int) -> float:
     if collective is Collective.ALL_GATHER:
         out = torch.zeros(numel, dtype=dtype)
         mine = out.narrow(0, 0, numel // n).clone()
-        return _time(lambda: _wait(all_gather_flat(out, mine, groups.gather_group, async_op=True)), repeats)
+        return lambda: Pending(_work(all_gather_flat(out, mine, groups.gather_group, async_op=True)))
     if collective is Collective.REDUCE_SCATTER:
         src = torch.zeros(numel, dtype=dtype)
         dst = torch.zeros(numel // n, dtype=dtype)
         chunks = gloo_receive_buffer(src, may_overwrite_src=False)
-        return _time(lambda: gloo_reduce_scatter(dst, src, pg, chunks).wait(), repeats)
+        return lambda: gloo_reduce_scatter(dst, src, pg, chunks)
     tensor = torch.zeros(numel, dtype=dtype)
-    return _time(lambda: _wait(dist.all_reduce(tensor, group=pg, async_op=True)), repeats)
+    return lambda: Pending(_work(dist.all_reduce(tensor, group=pg, async_op=True)))
 
 
-def _wait(work: object) -> None:
-    wait = getattr(work, "wait", None)
-    if callable(wait):
-        wait()
+def _work(work: object) -> dist.Work:
+    assert isinstance(work, dist.Work)
+    return work
+
+
+_BLOCK = torch.randn(64, 64)
+
+
+def _compute_chunk() -> None:
+    """A small piece of compute on the host thread (about an autograd op's)."""
+    torch.tanh(_BLOCK @ _BLOCK)
+
+
+@dataclasses.dataclass(frozen=True)
+class Beside:
+    """One collective size timed alone and while every rank computes, and a fixed amount of
+    compute timed alone and while collectives of that size are in flight (ms, medians)."""
+
+    collective_alone: float
+    collective_loaded: float
+    compute_alone: float
+    compute_loaded: float
+
+
+def _beside(issue: Callable[[], Pending], repeats: int, chunks: int = 40) -> Beside:
+    """``Beside`` of the collective ``issue`` starts: it beside compute (every rank computing in
+    small chunks until its own copy completes), and ``chunks`` of compute beside enough of it in
+    flight to outlast them (how many: agreed by every rank, so each issues as many)."""
+
+    def loaded() -> None:
+        pending = issue()
+        while not _work(pending.work).is_completed():
+            _compute_chunk()
+        pending.wait()
+
+    def compute() -> None:
+        for _ in range(chunks):
+            _compute_chunk()
+
+    alone = _time(lambda: issue().wait(), repeats)
+    collective_loaded = _time(loaded, repeats)
+    compute_alone = _time(compute, repeats)
+    count = torch.tensor([math.ceil(3 * compute_alone / max(alone, 1e-3))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    in_flight = int(count)
+    times = []
+    for i in range(2 * repeats):
+        dist.barrier()
+        pending = [issue() for _ in range(in_flight)]
+        start = time.perf_counter()
+        compute()
+        elapsed = (time.perf_counter() - start) * 1e3
+        for p in pending:
+            p.wait()
+        if i >= repeats:
+            times.append(elapsed)
+    return Beside(alone, collective_loaded, compute_alone, statistics.median(times))
 
 
 @contextlib.contextmanager
@@ -169,12 +225,24 @@ class Measured:
     every rank at once."""
     optimizer_alone_ms: float
     """``optimizer_ms``, every rank at once."""
-    collectives: list[float]
-    """Per ``sizes`` entry, its median ms alone."""
+    collectives: list[Beside]
+    """Per ``sizes`` entry: it alone and beside compute (``Beside``)."""
     forward_backward_ms: float
     optimizer_ms: float
     waits_ms: float
     """Of ``forward_backward_ms``'s step, the host thread's time in collectives' ``wait``."""
+
+
+def beside_in_rounds(issuers: list[Callable[[], Pending]], rounds: int = 5, repeats: int = 6) -> list[Beside]:
+    """``Beside`` of each collective, timed in ``rounds`` passes over all of them (``repeats``
+    calls each per pass), each field the median of its passes: a size timed in one block can
+    fall whole into a slow phase of the world (an all-reduce of 16 KB took a median 3 ms over 20
+    calls, then 0.5 ms in the next 20, on both ranks), which one pass in five does not move."""
+    passes = [[_beside(issue, repeats) for issue in issuers] for _ in range(rounds)]
+    return [
+        Beside(*(statistics.median(getattr(b, f.name) for b in column) for f in dataclasses.fields(Beside)))
+        for column in zip(*passes)
+    ]
 
 
 def pin(rank: int) -> None:
@@ -199,7 +267,7 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool
     optimizer_alone = optimizer_ms(cfg, p)
     model = _wrap("ours", cfg)
     opt = optimizer_of(cfg, model.parameters())
-    collectives = [_collective_ms(model, s, 20) for s in wanted]
+    collectives = beside_in_rounds([_issuer(model, s) for s in wanted])
     forward_backward, optimizer, waits = [], [], []
     for step in range(warmup + steps):
         for micro in range(cfg.accumulate):
@@ -264,7 +332,17 @@ HOST_WORK = (Activity.FORWARD, Activity.BACKWARD, Activity.ELEMENTWISE)
 runtime runs on its lane thread among them)."""
 
 
-def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, world: int) -> IterationTimeline:
+GLOO = LinkModel(one_collective_per_group=False)
+"""gloo runs a group's asynchronous collectives side by side; nothing else slows anything."""
+
+
+def simulate(
+    p: Prediction,
+    compute: list[tuple[float, float]],
+    table: object,
+    world: int,
+    links: LinkModel = GLOO,
+) -> IterationTimeline:
     """The simulated iteration of ``p``'s units on the CPU runtime (``Executor.CPU_LANE``): the
     synchronising one, after one inside ``no_sync()`` when ``p`` accumulates (as measured)."""
     assert isinstance(table, tuple)
@@ -280,7 +358,7 @@ def simulate(p: Prediction, compute: list[tuple[float, float]], table: object, w
         executor=Executor.CPU_LANE,
         follows_no_sync=p.accumulate > 1,
     )
-    return simulate_iteration(model, LinkModel(one_collective_per_group=False))
+    return simulate_iteration(model, links)
 
 
 def working_ms(timeline: IterationTimeline) -> float:
@@ -300,11 +378,46 @@ def samples(wanted: list[Size], ranks: list[Measured]) -> list[CollectiveSample]
     """The worst rank's time of each collective, by the bytes FSDP passes, on the intra-node link."""
     out = []
     for k, (collective, _, numel, dtype) in enumerate(wanted):
-        ms = max(r.collectives[k] for r in ranks)
+        ms = max(r.collectives[k].collective_alone for r in ranks)
         out.append(
             CollectiveSample(collective=collective, link=Link.INTRA_NODE, nbytes=max(1, numel * dtype.itemsize), ms=ms)
         )
     return out
+
+
+def sharing_one_core(wanted: list[Size], ranks: list[Measured]) -> LinkModel:
+    """How a world's collectives and compute slow each other, measured in it (``Beside``, the
+    worst rank's): gloo runs a group's collectives side by side
+    (``one_collective_per_group=False``); each kind of collective beside compute
+    (``ComputeSlowdown``) and compute beside collectives (``transfers_slow_compute``), each
+    ``sum(loaded) / sum(alone)`` over the sizes, at least 1. No link spans nodes here: the
+    inter-node factors are the intra-node ones."""
+
+    def ratio(pairs: list[tuple[float, float]]) -> float:
+        alone = math.fsum(a for a, _ in pairs)
+        return max(1.0, math.fsum(b for _, b in pairs) / alone) if alone > 0 else 1.0
+
+    def worst(k: int) -> Beside:
+        column = [r.collectives[k] for r in ranks]
+        return Beside(*(max(getattr(b, f.name) for b in column) for f in dataclasses.fields(Beside)))
+
+    measured = [(size[0], worst(k)) for k, size in enumerate(wanted)]
+
+    def of(collective: Collective) -> float:
+        return ratio([(b.collective_alone, b.collective_loaded) for c, b in measured if c is collective])
+
+    gather, scatter, reduce = of(Collective.ALL_GATHER), of(Collective.REDUCE_SCATTER), of(Collective.ALL_REDUCE)
+    return LinkModel(
+        one_collective_per_group=False,
+        compute_slowdown=ComputeSlowdown(
+            all_gather_intra=gather,
+            all_gather_inter=gather,
+            reduce_scatter_intra=scatter,
+            reduce_scatter_inter=scatter,
+            all_reduce_inter=reduce,
+        ),
+        transfers_slow_compute=ratio([(b.compute_alone, b.compute_loaded) for _, b in measured]),
+    )
 
 
 def _worst(ranks: list[Measured]) -> list[tuple[float, float]]:
@@ -369,7 +482,8 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned
         ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup, pinned), timeout=900)
         compute = _worst(ranks)
         with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
-        timeline = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world)
+        links = sharing_one_core(wanted, ranks)
+        timeline = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world, links)
         iteration, working = timeline.iteration_ms, working_ms(timeline)
         optimizer = max(r.optimizer_alone_ms for r in ranks)
         slowest = max(ranks, key=lambda r: r.forward_backward_ms + r.optimizer_ms)
@@ -380,7 +494,10 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned
             f"{iteration:.2f} = working {working:.2f} + waiting {iteration - working:.2f}, measured "
             f"{slowest.forward_backward_ms:.2f} = {slowest.forward_backward_ms - slowest.waits_ms:.2f} + "
             f"{slowest.waits_ms:.2f}; optimizer {optimizer:.2f}, measured {slowest.optimizer_ms:.2f}; "
-            f"{gathers} all-gathers, {reductions} reductions"
+            f"{gathers} all-gathers, {reductions} reductions; beside compute: all-gather "
+            f"x{links.compute_slowdown.all_gather_intra:.2f}, reduce-scatter "
+            f"x{links.compute_slowdown.reduce_scatter_intra:.2f}, all-reduce "
+            f"x{links.compute_slowdown.all_reduce_inter:.2f}; compute beside them x{links.transfers_slow_compute:.2f}"
         )
         rows.append(
             Row(

@@ -153,6 +153,21 @@ def test_compute_slows_each_transfer_by_its_own_factor() -> None:
     assert run_tasks(tasks, capacity=ONE) == ((F(0), F(4)), (F(0), F(10)), (F(0), F(21, 2)))
 
 
+def test_transfers_slow_compute_while_any_is_active() -> None:
+    # 0-4 beside the transfer at half speed (2 ms of its work), its other 4 alone: 8. The
+    # transfer is not slowed (its own factor is 1).
+    tasks = [SimTask(after=(), work=F(6)), transfer(4, INTRA)]
+    assert run_tasks(tasks, capacity=ONE, transfers_slow_compute=F(2)) == spans((0, 8), (0, 4))
+    # Both ways at half speed (one processor shared): the transfer's 4 ms take 8, in which the
+    # compute does 4 of its 6; its last 2 alone: 10, the sum of the two.
+    tasks = [SimTask(after=(), work=F(6)), transfer(4, INTRA, beside_compute=2)]
+    assert run_tasks(tasks, capacity=ONE, transfers_slow_compute=F(2)) == spans((0, 10), (0, 8))
+    # Nothing slows compute that runs alone.
+    assert run_tasks([SimTask(after=(), work=F(6))], capacity=ONE, transfers_slow_compute=F(5)) == spans((0, 6))
+    with pytest.raises(ValueError, match="transfers_slow_compute"):
+        run_tasks(tasks, capacity=ONE, transfers_slow_compute=F(1, 2))
+
+
 def test_slowdowns_multiply() -> None:
     # Intra-node: 0-6 beside compute and the inter-node transfer at 1/(3*2) (1 ms of work); 6-20
     # beside the inter-node one at 1/2 (7 ms); its last 4 ms alone: 24.
@@ -340,6 +355,18 @@ def test_fsdp_compute_slowdown_by_hand() -> None:
     assert at(t, Activity.REDUCE_SCATTER, 1) == (53, 63) and t.iteration_ms == 63
 
 
+def test_fsdp_transfers_slow_compute_by_hand() -> None:
+    t = simulate_iteration(small(FSDP), LinkModel(transfers_slow_compute=2))
+    # u2's backward (2 ms) beside u1's prefetched all-gather (32-42): at half speed, 32-36; u1's
+    # beside u2's reduce-scatter (42-52): 42-46. The collectives are not slowed, and the
+    # reduce-scatters still end the iteration: 62, as without.
+    assert at(t, Activity.BACKWARD, 2) == (32, 36) and at(t, Activity.BACKWARD_ALL_GATHER, 1) == (32, 42)
+    assert at(t, Activity.BACKWARD, 1) == (42, 46) and at(t, Activity.REDUCE_SCATTER, 1) == (52, 62)
+    assert t.iteration_ms == 62
+    # The forward's compute runs after its all-gather: not slowed.
+    assert at(t, Activity.FORWARD, 1) == (10, 11) and at(t, Activity.FORWARD, 2) == (21, 22)
+
+
 def test_backward_pre_prefetch_overlaps_the_next_all_gather_with_backward() -> None:
     pre = simulate_iteration(small(FSDP))
     assert pre.find(Activity.BACKWARD_ALL_GATHER, 1).start_ms < pre.find(Activity.BACKWARD, 2).end_ms
@@ -405,6 +432,7 @@ def test_streams_run_one_task_at_a_time_and_the_timeline_is_deterministic() -> N
         (lambda: LinkModel(inter_node_bandwidth=0), ValueError, "inter_node_bandwidth"),
         (lambda: LinkModel(intra_node_bandwidth=float("inf")), ValueError, "intra_node_bandwidth"),
         (lambda: LinkModel(cross_link_slowdown=0.9), ValueError, "cross_link_slowdown"),
+        (lambda: LinkModel(transfers_slow_compute=0.5), ValueError, "transfers_slow_compute"),
         (lambda: ComputeSlowdown(all_gather_intra=float("nan")), ValueError, "all_gather_intra"),
         (lambda: ComputeSlowdown(all_reduce_inter=True), ValueError, "all_reduce_inter"),
         (lambda: ComputeSlowdown(reduce_scatter_inter=0.5), ValueError, "reduce_scatter_inter"),

@@ -39,7 +39,8 @@ Timing rules:
   Where ranks share processor cores with their communication (the emulated cluster of
   ``benchmarks/bench_hsdp_cluster.py``), ``LinkModel`` also slows intra-node collectives while an
   inter-node one runs (``cross_link_slowdown``) and each collective while compute runs
-  (``compute_slowdown``, per collective and link); on GPUs with NCCL these stay 1.
+  (``compute_slowdown``, per collective and link), and compute while any collective runs
+  (``transfers_slow_compute``); on GPUs with NCCL these stay 1.
 
 Everything is exact (``Fraction``) and deterministic; the result is an ``IterationTimeline``
 with every interval, the iteration time, each unit's exposed communication (not overlapped by
@@ -347,11 +348,16 @@ class LinkModel:
     inter-node all-reduce (``fsdp_core.sim.calibration.links_from_measurements``). Must be >= 1."""
     compute_slowdown: ComputeSlowdown = ComputeSlowdown()
     """How much each collective is slowed while the compute stream is busy; all 1 by default."""
+    transfers_slow_compute: float = 1.0
+    """How many times slower compute (and the host's element-wise work) progresses while any
+    collective is active (``fsdp_core.sim.links``). 1: not slowed, as on GPUs. Above 1 where a
+    rank's collectives are its own processor's work (gloo: the worker threads run on the core the
+    rank computes on); measured by timing compute alone and beside collectives. Must be >= 1."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.compute_slowdown, ComputeSlowdown):
             raise TypeError(f"LinkModel.compute_slowdown: expected a ComputeSlowdown, got {self.compute_slowdown!r}")
-        at_least_one = ("contention", "cross_link_slowdown")
+        at_least_one = ("contention", "cross_link_slowdown", "transfers_slow_compute")
         for name in (*at_least_one, "inter_node_bandwidth", "intra_node_bandwidth"):
             value = getattr(self, name)
             low = 1.0 if name in at_least_one else math.nextafter(0.0, 1.0)
@@ -741,6 +747,7 @@ def simulate_iteration(model: IterationModel, links: LinkModel = LinkModel()) ->
         capacity=capacity,
         contention=Fraction(links.contention),
         cross_link_slowdown=Fraction(links.cross_link_slowdown),
+        transfers_slow_compute=Fraction(links.transfers_slow_compute),
     )
     intervals = tuple(
         Interval(

@@ -20,8 +20,12 @@ has ended. A transfer's progress rate is its link's capacity, then:
   Where ranks share processor cores with their communication, as on the emulated cluster,
   collectives overlapped with computation take longer, by how much depending on the collective
   (an all-gather in many small steps more than an all-to-all), so the factor is per transfer.
-  Compute itself is never slowed here: a compute task's ``work`` is its time measured where it
-  runs, with whatever runs beside it.
+- *Compute beside transfers* (``transfers_slow_compute``). While any transfer is active, every
+  compute task progresses this many times slower (1, the default: a compute task's ``work`` is
+  its time measured where it runs, with whatever runs beside it, as on GPUs, where NCCL's
+  kernels take few SMs). Above 1 where a rank's communication is its own processor's work (gloo
+  on a CPU: the worker threads copy, sum and make the socket calls on the core the rank
+  computes on).
 
 The factors multiply. Rates change only when a task starts or ends, so the run steps from one
 such event to the next.
@@ -86,17 +90,23 @@ def run_tasks(
     capacity: Mapping[Link, Fraction],
     contention: Fraction = Fraction(1),
     cross_link_slowdown: Fraction = Fraction(1),
+    transfers_slow_compute: Fraction = Fraction(1),
 ) -> tuple[tuple[Fraction, Fraction], ...]:
     """``(start, end)`` of every task, in ms from 0, in the order of ``tasks``.
 
     ``capacity`` gives each link's bandwidth relative to the one at which ``work`` was timed (it
-    must name every link a task uses, each > 0); ``contention`` and ``cross_link_slowdown`` (both
-    >= 1; defaults: no loss) are the slowdowns described in the module docstring. Raises
+    must name every link a task uses, each > 0); ``contention``, ``cross_link_slowdown`` and
+    ``transfers_slow_compute`` (each >= 1; defaults: no loss) are the slowdowns described in the
+    module docstring. Raises
     ``ValueError`` for a task that comes after itself or a later task, or for a bad capacity or
     slowdown. Tasks ready at the same instant start in index order;
     the result does not depend on it.
     """
-    for name, factor in (("contention", contention), ("cross_link_slowdown", cross_link_slowdown)):
+    for name, factor in (
+        ("contention", contention),
+        ("cross_link_slowdown", cross_link_slowdown),
+        ("transfers_slow_compute", transfers_slow_compute),
+    ):
         if factor < 1:
             raise ValueError(f"{name}: expected >= 1, got {factor}")
     for index, task in enumerate(tasks):
@@ -115,7 +125,7 @@ def run_tasks(
         for a in set(task.after):
             dependents[a].append(index)
     ready = [i for i in range(n) if unmet[i] == 0]
-    computing: dict[int, Fraction] = {}  # running compute task -> its end time
+    computing: dict[int, Fraction] = {}  # running compute task -> the work it has left
     sending: dict[int, Fraction] = {}  # running transfer -> the work it has left
     now = Fraction(0)
     finished = 0
@@ -138,7 +148,7 @@ def run_tasks(
             if task.work == 0:
                 finish(index)
             elif task.link is None:
-                computing[index] = now + task.work
+                computing[index] = task.work
             else:
                 sending[index] = task.work
         if finished == n:
@@ -158,12 +168,14 @@ def run_tasks(
             if computing:
                 rate /= task.compute_slowdown
             speed[index] = rate
-        steps = [t - now for t in computing.values()] + [left / speed[i] for i, left in sending.items()]
+        pace = Fraction(1) / transfers_slow_compute if sending else Fraction(1)
+        steps = [left / pace for left in computing.values()] + [left / speed[i] for i, left in sending.items()]
         assert steps, "tasks wait for tasks that never end"  # unreachable: every `after` points back
         elapsed = min(steps)
         now += elapsed
         for index in sorted(computing):
-            if computing[index] == now:
+            computing[index] -= elapsed * pace
+            if computing[index] == 0:
                 del computing[index]
                 finish(index)
         for index in sorted(sending):
