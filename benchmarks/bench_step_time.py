@@ -12,18 +12,12 @@ own, none on the configuration it predicts:
   world at once (as they will train, sharing the machine), with FSDP's parameter views but none
   of its hooks' work (``time_trace``); the slowest rank's;
 - **collectives**: every size the units' plans and all-gathers use, timed alone in the world
-  that then trains, with the runtime's own gloo collectives, in interleaved rounds
-  (``beside_in_rounds``); ``fit_table`` fits them (``CostModel.measured``);
-- **how collectives and compute share a rank's core** (``sharing_one_core``): each size also
-  timed while every rank computes, and compute timed while collectives of that size are in
-  flight, in the same world: ``LinkModel.compute_slowdown`` per kind of collective (measured
-  2-15x: gloo's threads wait for the core the rank computes on) and
-  ``LinkModel.transfers_slow_compute`` (1.0-2.3x); gloo runs a group's collectives side by side
-  (``one_collective_per_group=False``);
-- **FSDP's host work per unit** (hooks, the plan interpreter, casts): calibrated on worlds of
-  one rank training the same model, as many at once as the world has ranks (``host_work``):
-  what their measured iteration takes beyond their simulated one without host work, shared
-  equally by the units, half in forward, half in backward;
+  that then trains, with the runtime's own gloo collectives; ``fit_table`` fits them
+  (``CostModel.measured``); gloo runs a group's collectives side by side
+  (``LinkModel(one_collective_per_group=False)``);
+- **FSDP's host work per unit** (hooks, the plan interpreter, casts): calibrated on a world of
+  one rank training the same model: what its measured iteration takes beyond its simulated one
+  without host work, shared equally by the units, half in forward, half in backward;
 - **the optimizer step**: ``step()`` and ``zero_grad()`` on tensors of the shapes each rank's
   optimizer steps (``optimized_tensors``), every rank at once.
 
@@ -46,7 +40,6 @@ spread of the measured times is how closely this machine can check any predictio
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import dataclasses
 import math
@@ -261,13 +254,13 @@ def pin(rank: int) -> None:
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool, int]) -> Measured:
+def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool]) -> Measured:
     """The compute and the optimizer step without FSDP (every rank at once, as they will
     train), each collective alone, then ``steps`` training steps (after ``warmup``) timed;
-    everything on one core per rank if ``pinned`` (``pin``; ``core``: the first rank's)."""
-    cfg, wanted, steps, warmup, pinned, core = job
+    everything on one core per rank if ``pinned`` (``pin``)."""
+    cfg, wanted, steps, warmup, pinned = job
     if pinned:
-        pin(core + rank)
+        pin(rank)
     p = predict(cfg)
     dist.barrier()
     compute = local_compute(cfg, p)
@@ -473,40 +466,20 @@ class InStep:
         return min(candidates, key=lambda c: sum((row.measured - row.simulated - c.of(row)) ** 2 for row in rows))
 
 
-def host_work(cfg: Config, steps: int, warmup: int, pinned: bool) -> tuple[float, str]:
-    """FSDP's host work per step (ms) and how it was found: what a world of one rank training
-    ``cfg`` takes beyond its iteration simulated without host work. ``cfg.world`` such worlds run
-    at once, each rank on its own core if ``pinned``: the host work is timed with the machine as
-    loaded as in training, and the mean of several worlds is steadier than one world's figure
-    (one world of one rank's median step took 7.7 ms in one run and 12.2 ms in the next)."""
-    solo_cfg = dataclasses.replace(cfg, ranks=1)
-    solo = predict(solo_cfg)
-    wanted = sizes(solo)
-    with concurrent.futures.ThreadPoolExecutor(cfg.world) as pool:
-        worlds = list(
-            pool.map(
-                lambda core: run_world(1, measure, (solo_cfg, wanted, steps, warmup, pinned, core), timeout=900)[0],
-                range(cfg.world),
-            )
-        )
-    hosts, shown = [], []
-    for alone in worlds:
-        bare = simulate(solo, alone.compute, fit_table(samples(wanted, [alone])), 1).iteration_ms
-        hosts.append(max(0.0, alone.forward_backward_ms - bare))
-        shown.append(f"{alone.forward_backward_ms:.2f} - {bare:.2f}")
-    return statistics.fmean(hosts), f"{cfg.world} worlds of one rank: {', '.join(shown)}"
-
-
 def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned: bool = True) -> list[Row]:
     """Per world started (``repeat`` of them), ``cfg`` measured and simulated (ms per step),
     FSDP's host work calibrated once, on a world of one; each rank on one core if ``pinned``."""
     p = predict(cfg)
-    wanted = sizes(p)
-    host, solo = host_work(cfg, steps, warmup, pinned)
+    solo_cfg = dataclasses.replace(cfg, ranks=1)
+    solo = predict(solo_cfg)
+    wanted, solo_wanted = sizes(p), sizes(solo)
+    (alone,) = run_world(1, measure, (solo_cfg, solo_wanted, steps, warmup, pinned), timeout=900)
+    bare = simulate(solo, alone.compute, fit_table(samples(solo_wanted, [alone])), 1).iteration_ms
+    host = max(0.0, alone.forward_backward_ms - bare)
     share = host / sum(u is not None for u in p.units) / 2
     rows = []
     for _ in range(repeat):
-        ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup, pinned, 0), timeout=900)
+        ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup, pinned), timeout=900)
         compute = _worst(ranks)
         with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
         links = sharing_one_core(wanted, ranks)
@@ -516,7 +489,8 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned
         slowest = max(ranks, key=lambda r: r.forward_backward_ms + r.optimizer_ms)
         gathers, reductions = collective_counts(timeline)
         parts = (
-            f"compute {sum(f + b for f, b in compute):.2f}, host work {host:.2f} ({solo}); iteration "
+            f"compute {sum(f + b for f, b in compute):.2f}, host work {host:.2f} (one rank: "
+            f"{alone.forward_backward_ms:.2f} measured, {bare:.2f} simulated without); iteration "
             f"{iteration:.2f} = working {working:.2f} + waiting {iteration - working:.2f}, measured "
             f"{slowest.forward_backward_ms:.2f} = {slowest.forward_backward_ms - slowest.waits_ms:.2f} + "
             f"{slowest.waits_ms:.2f}; optimizer {optimizer:.2f}, measured {slowest.optimizer_ms:.2f}; "
@@ -550,7 +524,6 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="worlds started per configuration")
     parser.add_argument("--no-pin", action="store_true", help="leave the ranks' threads to the scheduler")
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_world's own default, set once: worlds start from threads
     names = [n for n in args.configs.split(",") if n]
     if len(names) < 3:
         parser.error("--configs: give at least 3 (each is predicted from the others' in-step costs)")
