@@ -17,7 +17,7 @@ own, none on the configuration it predicts:
 - **how collectives and compute share a rank's core** (``sharing_one_core``): each size also
   timed while every rank computes, and compute timed while collectives of that size are in
   flight, in the same world: ``LinkModel.compute_slowdown`` per kind of collective (measured
-  2-15x: gloo's threads wait for the core the rank computes on) and
+  up to 16x: gloo's threads wait for the core the rank computes on) and
   ``LinkModel.transfers_slow_compute`` (1.0-2.3x); gloo runs a group's collectives side by side
   (``one_collective_per_group=False``);
 - **FSDP's host work per unit** (hooks, the plan interpreter, casts): calibrated on a world of
