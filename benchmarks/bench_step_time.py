@@ -55,7 +55,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -167,6 +167,12 @@ class Beside:
     compute_alone: float
     compute_loaded: float
 
+    @staticmethod
+    def each(of: Callable[[list[float]], float], column: Iterable[Beside]) -> Beside:
+        """``of`` (e.g. ``max``, ``statistics.median``) of each field over ``column``."""
+        column = list(column)
+        return Beside(*(of([getattr(b, f.name) for b in column]) for f in dataclasses.fields(Beside)))
+
 
 def _beside(issue: Callable[[], Pending], repeats: int, chunks: int = 40) -> Beside:
     """``Beside`` of the collective ``issue`` starts: it beside compute (every rank computing in
@@ -246,10 +252,7 @@ def beside_in_rounds(issuers: list[Callable[[], Pending]], rounds: int = 5, repe
     fall whole into a slow phase of the world (an all-reduce of 16 KB took a median 3 ms over 20
     calls, then 0.5 ms in the next 20, on both ranks), which one pass in five does not move."""
     passes = [[_beside(issue, repeats) for issue in issuers] for _ in range(rounds)]
-    return [
-        Beside(*(statistics.median(getattr(b, f.name) for b in column) for f in dataclasses.fields(Beside)))
-        for column in zip(*passes)
-    ]
+    return [Beside.each(statistics.median, column) for column in zip(*passes)]
 
 
 def pin(rank: int) -> None:
@@ -404,11 +407,7 @@ def sharing_one_core(wanted: list[Size], ranks: list[Measured]) -> LinkModel:
         alone = math.fsum(a for a, _ in pairs)
         return max(1.0, math.fsum(b for _, b in pairs) / alone) if alone > 0 else 1.0
 
-    def worst(k: int) -> Beside:
-        column = [r.collectives[k] for r in ranks]
-        return Beside(*(max(getattr(b, f.name) for b in column) for f in dataclasses.fields(Beside)))
-
-    measured = [(size[0], worst(k)) for k, size in enumerate(wanted)]
+    measured = [(size[0], Beside.each(max, (r.collectives[k] for r in ranks))) for k, size in enumerate(wanted)]
 
     def of(collective: Collective) -> float:
         return ratio([(b.collective_alone, b.collective_loaded) for c, b in measured if c is collective])
