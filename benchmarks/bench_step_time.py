@@ -73,14 +73,17 @@ from fsdp_core.sim import (
     Activity,
     Collective,
     CollectiveSample,
-    ComputeSlowdown,
     CostModel,
     IterationTimeline,
     Link,
     LinkModel,
+    Load,
+    SlowdownSample,
+    compute_slowdown_of,
     fit_table,
     model_of_units,
     simulate_iteration,
+    slowdown,
 )
 from fsdp_shell import FSDP
 from fsdp_shell.predict import Prediction
@@ -399,30 +402,26 @@ def sharing_one_core(wanted: list[Size], ranks: list[Measured]) -> LinkModel:
     """How a world's collectives and compute slow each other, measured in it (``Beside``, the
     worst rank's): gloo runs a group's collectives side by side
     (``one_collective_per_group=False``); each kind of collective beside compute
-    (``ComputeSlowdown``) and compute beside collectives (``transfers_slow_compute``), each
-    ``sum(loaded) / sum(alone)`` over the sizes, at least 1. No link spans nodes here: the
-    inter-node factors are the intra-node ones."""
-
-    def ratio(pairs: list[tuple[float, float]]) -> float:
-        alone = math.fsum(a for a, _ in pairs)
-        return max(1.0, math.fsum(b for _, b in pairs) / alone) if alone > 0 else 1.0
-
+    (``compute_slowdown_of``, every link alike: the world is one machine) and compute beside
+    collectives (``transfers_slow_compute``: ``slowdown`` over the sizes)."""
     measured = [(size[0], Beside.each(max, (r.collectives[k] for r in ranks))) for k, size in enumerate(wanted)]
-
-    def of(collective: Collective) -> float:
-        return ratio([(b.collective_alone, b.collective_loaded) for c, b in measured if c is collective])
-
-    gather, scatter, reduce = of(Collective.ALL_GATHER), of(Collective.REDUCE_SCATTER), of(Collective.ALL_REDUCE)
+    beside_compute = [
+        SlowdownSample(
+            collective=collective,
+            link=Link.INTRA_NODE,
+            load=Load.COMPUTE,
+            alone_ms=b.collective_alone,
+            loaded_ms=b.collective_loaded,
+        )
+        for collective, b in measured
+    ]
     return LinkModel(
         one_collective_per_group=False,
-        compute_slowdown=ComputeSlowdown(
-            all_gather_intra=gather,
-            all_gather_inter=gather,
-            reduce_scatter_intra=scatter,
-            reduce_scatter_inter=scatter,
-            all_reduce_inter=reduce,
+        compute_slowdown=compute_slowdown_of(beside_compute, one_node=True),
+        transfers_slow_compute=slowdown(
+            (b.compute_alone for _, b in measured),
+            (b.compute_loaded for _, b in measured),
         ),
-        transfers_slow_compute=ratio([(b.compute_alone, b.compute_loaded) for _, b in measured]),
     )
 
 

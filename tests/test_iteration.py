@@ -50,6 +50,7 @@ from fsdp_core.sim import (
     SimTask,
     SlowdownSample,
     UnitCosts,
+    compute_slowdown_of,
     describe_cost,
     fit_affine,
     fit_collectives,
@@ -67,6 +68,7 @@ from fsdp_core.sim import (
     seed_model,
     simulate_iteration,
     simulate_timeline,
+    slowdown,
     unit_plans,
 )
 
@@ -699,6 +701,31 @@ def test_links_from_measurements_by_hand() -> None:
     # A load that speeds a collective up, or sharing faster than taking turns, gives 1, not less.
     faster = (slowed(Load.COMPUTE, Collective.ALL_REDUCE, INTER, 20.0, 18.0),)
     assert links_from_measurements(dataclasses.replace(base, slowdowns=faster, sharing=(two,))) == LinkModel()
+
+
+def test_compute_slowdown_of_one_node_by_hand() -> None:
+    samples = (
+        # All-gathers on both links: (8 + 6) / (2 + 5) = 2 for both links when they are one node.
+        slowed(Load.COMPUTE, Collective.ALL_GATHER, INTRA, 2.0, 8.0),
+        slowed(Load.COMPUTE, Collective.ALL_GATHER, INTER, 5.0, 6.0),
+        # An all-reduce timed inside a node counts for the all-reduce (inter-node only otherwise).
+        slowed(Load.COMPUTE, Collective.ALL_REDUCE, INTRA, 4.0, 10.0),
+        # Another load is ignored.
+        slowed(Load.OTHER_LINK, Collective.REDUCE_SCATTER, INTRA, 1.0, 9.0),
+    )
+    assert compute_slowdown_of(samples, one_node=True) == ComputeSlowdown(
+        all_gather_intra=2.0, all_gather_inter=2.0, all_reduce_inter=2.5
+    )
+    # Per link: 8 / 2 and 6 / 5; the all-reduce's only sample is on the other link: 1.
+    assert compute_slowdown_of(samples) == ComputeSlowdown(all_gather_intra=4.0, all_gather_inter=1.2)
+    assert compute_slowdown_of(()) == ComputeSlowdown()
+
+
+def test_slowdown_is_the_ratio_of_sums_at_least_one() -> None:
+    assert slowdown([1.0, 3.0], [2.0, 4.0]) == 1.5
+    assert slowdown([2.0], [1.0]) == 1.0
+    assert slowdown([], []) == 1.0
+    assert slowdown([0.0], [5.0]) == 1.0
 
 
 def test_slowdown_and_sharing_samples_validate() -> None:

@@ -12,8 +12,10 @@ from fsdp_core.sim.calibration import (
     Measurements,
     SharingSample,
     SlowdownSample,
+    compute_slowdown_of,
     links_from_measurements,
     model_from_measurements,
+    slowdown,
 )
 from fsdp_core.sim.costs import (
     AffineCost,
@@ -99,6 +101,7 @@ __all__ = [
     "SlowdownSample",
     "TimelineEntry",
     "UnitCosts",
+    "compute_slowdown_of",
     "describe_cost",
     "describe_plans",
     "fit_affine",
@@ -122,6 +125,7 @@ __all__ = [
     "seed_plans",
     "simulate_iteration",
     "simulate_timeline",
+    "slowdown",
     "timeline_to_json",
     "unit_plans",
 ]

@@ -15,8 +15,8 @@ Where collectives slow each other or are slowed by compute (ranks sharing proces
 their communication), the benchmark also times collectives beside a load: ``SlowdownSample``
 (a collective alone and beside a collective on the other link, or beside every rank's compute)
 and ``SharingSample`` (two collectives of one link issued together). ``links_from_measurements``
-turns them into the ``LinkModel``'s ``cross_link_slowdown``, ``compute_slowdown`` and
-``contention``. Nothing is fitted to iteration times, so a measured iteration time can be
+turns them into the ``LinkModel``'s ``cross_link_slowdown``, ``compute_slowdown``
+(``compute_slowdown_of``) and ``contention``. Nothing is fitted to iteration times, so a measured iteration time can be
 compared with the prediction.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fsdp_core.plan.request import Plan
@@ -53,10 +53,12 @@ __all__ = [
     "Measurements",
     "SharingSample",
     "SlowdownSample",
+    "compute_slowdown_of",
     "fit_affine",
     "fit_collectives",
     "links_from_measurements",
     "model_from_measurements",
+    "slowdown",
 ]
 
 
@@ -193,10 +195,31 @@ def model_from_measurements(
     )
 
 
+def slowdown(alone_ms: Iterable[float], loaded_ms: Iterable[float]) -> float:
+    """How many times slower work ran under a load: ``sum(loaded_ms) / sum(alone_ms)`` over the
+    same pieces of work timed both ways, at least 1 (a load never speeds anything up in the
+    model); 1 without any time alone."""
+    alone = math.fsum(alone_ms)
+    return max(1.0, math.fsum(loaded_ms) / alone) if alone > 0 else 1.0
+
+
 def _slowdown(samples: Sequence[SlowdownSample]) -> float:
-    """``sum(loaded) / sum(alone)``, at least 1; 1 without samples or time alone."""
-    alone = math.fsum(s.alone_ms for s in samples)
-    return max(1.0, math.fsum(s.loaded_ms for s in samples) / alone) if alone > 0 else 1.0
+    return slowdown((s.alone_ms for s in samples), (s.loaded_ms for s in samples))
+
+
+def compute_slowdown_of(samples: Sequence[SlowdownSample], *, one_node: bool = False) -> ComputeSlowdown:
+    """``LinkModel.compute_slowdown``: per collective and link (``ComputeSlowdown``'s fields),
+    ``slowdown`` over its ``Load.COMPUTE`` samples (other loads are ignored); 1 where none was
+    timed. With ``one_node`` (a world on one machine: every group's link is the same) the link
+    is ignored: each collective's factor is over its samples on either link, for both links,
+    the all-reduce's included."""
+    computing = [s for s in samples if s.load is Load.COMPUTE]
+    return ComputeSlowdown(
+        **{
+            name: _slowdown([s for s in computing if s.collective is c and (one_node or s.link is link)])
+            for name, c, link in FITTED
+        }
+    )
 
 
 def _contention(samples: Sequence[SharingSample]) -> float:
@@ -218,25 +241,20 @@ def links_from_measurements(measurements: Measurements, *, one_collective_per_gr
       intra-node collectives (the model slows only those; samples of an inter-node collective
       beside intra-node traffic are ignored, kept for the record: on the emulated cluster they
       show no slowdown);
-    - ``compute_slowdown``: per collective and link (``ComputeSlowdown``), the same over its
-      ``Load.COMPUTE`` samples;
+    - ``compute_slowdown``: per collective and link, the same over its ``Load.COMPUTE`` samples
+      (``compute_slowdown_of``);
     - ``contention``: from ``measurements.sharing`` (``_contention``). It acts only with
       ``one_collective_per_group=False``, which the caller sets where a group's collectives run
       side by side (gloo); pass it as the backend behaves.
 
     Bandwidths stay 1: the costs were timed on the links as they are."""
 
-    def of(load: Load, link: Link, collective: Collective | None = None) -> list[SlowdownSample]:
-        return [
-            s
-            for s in measurements.slowdowns
-            if s.load is load and s.link is link and collective in (None, s.collective)
-        ]
+    def of(load: Load, link: Link) -> list[SlowdownSample]:
+        return [s for s in measurements.slowdowns if s.load is load and s.link is link]
 
-    computing = {name: _slowdown(of(Load.COMPUTE, link, collective)) for name, collective, link in FITTED}
     return LinkModel(
         contention=_contention(measurements.sharing),
         cross_link_slowdown=_slowdown(of(Load.OTHER_LINK, Link.INTRA_NODE)),
-        compute_slowdown=ComputeSlowdown(**computing),
+        compute_slowdown=compute_slowdown_of(measurements.slowdowns),
         one_collective_per_group=one_collective_per_group,
     )
