@@ -97,10 +97,9 @@ def run_tasks(
     ``capacity`` gives each link's bandwidth relative to the one at which ``work`` was timed (it
     must name every link a task uses, each > 0); ``contention``, ``cross_link_slowdown`` and
     ``transfers_slow_compute`` (each >= 1; defaults: no loss) are the slowdowns described in the
-    module docstring. Raises
-    ``ValueError`` for a task that comes after itself or a later task, or for a bad capacity or
-    slowdown. Tasks ready at the same instant start in index order;
-    the result does not depend on it.
+    module docstring. Raises ``ValueError`` for a task that comes after itself or a later task,
+    or for a bad capacity or slowdown. Tasks ready at the same instant start in index order; the
+    result does not depend on it.
     """
     for name, factor in (
         ("contention", contention),
