@@ -536,10 +536,13 @@ def main() -> None:
         row for name in names for row in run(name, CONFIGS[name], args.steps, args.warmup, args.repeat, not args.no_pin)
     ]
     print("\npredicted = simulated + in-step costs fitted on the other configurations:")
-    ratios, bare = [], []
+    ratios, bare, means = [], [], []
     for name in names:
         mine = [r for r in rows if r.name == name]
         fitted = InStep.fit([r for r in rows if r.name != name])
+        means.append(
+            statistics.fmean(r.simulated + fitted.of(r) for r in mine) / statistics.fmean(r.measured for r in mine)
+        )
         for row in mine:
             predicted = row.simulated + fitted.of(row)
             ratios.append(predicted / row.measured)
@@ -565,6 +568,11 @@ def main() -> None:
         print(
             f"within 10% of each world's measurement, a configuration's mean over its own {args.repeat} worlds: "
             f"{own_mean_within(rows)} of {len(rows)} (how closely this machine lets any prediction agree)"
+        )
+        print(
+            f"per configuration, the mean prediction over its {args.repeat} worlds / their mean measured: "
+            f"{min(means):.3f} - {max(means):.3f}, median {statistics.median(means):.3f}; within 10%: "
+            f"{sum(abs(m - 1) <= 0.1 for m in means)} of {len(means)}"
         )
 
 
