@@ -247,6 +247,56 @@ class Measured:
     optimizer_ms: float
     waits_ms: float
     """Of ``forward_backward_ms``'s step, the host thread's time in collectives' ``wait``."""
+    core: Core
+    """Where the rank's core went over the timed steps."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Core:
+    """A rank's timed steps, per step (ms, means, barriers included): their wall time and the
+    processor time of its threads (``thread_cpu_ms``), the host thread's, gloo's (its TCP loops
+    and run loops) and the rest (the runtime's lane, the store); what is left of the wall time
+    its threads did not run (its core idle, or running another rank pinned to it)."""
+
+    wall: float
+    host: float
+    gloo: float
+    other: float
+
+    def __str__(self) -> str:
+        idle = self.wall - self.host - self.gloo - self.other
+        return (
+            f"core per step: {self.wall:.2f} = host thread {self.host:.2f} + gloo's threads {self.gloo:.2f} + "
+            f"others {self.other:.2f} + not running {idle:.2f}"
+        )
+
+
+def thread_cpu_ms() -> dict[int, tuple[str, float]]:
+    """Each of this process's threads: its name and the processor time it has run (ms, from
+    ``/proc/self/task/*/schedstat``; Linux only, else nothing)."""
+    out = {}
+    tasks = Path("/proc/self/task")
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            out[int(task.name)] = (
+                (task / "comm").read_text().strip(),
+                int((task / "schedstat").read_text().split()[0]) / 1e6,
+            )
+    return out
+
+
+def core_use(before: dict[int, tuple[str, float]], wall_ms: float, steps: int) -> Core:
+    """``Core`` of ``steps`` steps that took ``wall_ms`` since ``before`` (``thread_cpu_ms``)."""
+    host, gloo, other = 0.0, 0.0, 0.0
+    for tid, (name, ms) in thread_cpu_ms().items():
+        ran = ms - before.get(tid, (name, 0.0))[1]
+        if tid == threading.main_thread().native_id:
+            host += ran
+        elif name.startswith(("gloo", "pt_gloo")):
+            gloo += ran
+        else:
+            other += ran
+    return Core(wall_ms / steps, host / steps, gloo / steps, other / steps)
 
 
 def beside_in_rounds(issuers: list[Callable[[], Pending]], rounds: int = 5, repeats: int = 6) -> list[Beside]:
@@ -283,6 +333,8 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool
     collectives = beside_in_rounds([_issuer(model, s) for s in wanted])
     forward_backward, optimizer, waits = [], [], []
     for step in range(warmup + steps):
+        if step == warmup:
+            cpu_before, wall_before = thread_cpu_ms(), time.perf_counter()
         for micro in range(cfg.accumulate):
             sync = micro == cfg.accumulate - 1
             dist.barrier()
@@ -299,6 +351,7 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool
         opt.zero_grad()
         if step >= warmup:
             optimizer.append((time.perf_counter() - start) * 1e3)
+    core = core_use(cpu_before, (time.perf_counter() - wall_before) * 1e3, steps)
     return Measured(
         compute,
         optimizer_alone,
@@ -306,6 +359,7 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool
         statistics.median(forward_backward),
         statistics.median(optimizer),
         statistics.median(waits),
+        core,
     )
 
 
@@ -502,7 +556,8 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned
             f"{gathers} all-gathers, {reductions} reductions; beside compute: all-gather "
             f"x{links.compute_slowdown.all_gather_intra:.2f}, reduce-scatter "
             f"x{links.compute_slowdown.reduce_scatter_intra:.2f}, all-reduce "
-            f"x{links.compute_slowdown.all_reduce_inter:.2f}; compute beside them x{links.transfers_slow_compute:.2f}"
+            f"x{links.compute_slowdown.all_reduce_inter:.2f}; compute beside them x{links.transfers_slow_compute:.2f}; "
+            f"{slowest.core} (one rank: {alone.core})"
         )
         rows.append(
             Row(
