@@ -37,12 +37,14 @@ optimizer time, the worst rank. Each rank runs on one core of its own (``pin``; 
 leaves its threads to the scheduler), while timing the inputs as while training. Printed per
 world as it runs: the simulated and measured ms, and where the time goes (the host thread's time
 blocked in collectives' ``wait`` against the simulated iteration's time not computing, the rest
-against the simulated compute and host work); at the end, predicted / measured per configuration
-(simulated + ``InStep``) and how many are within 10%. With ``--repeat N`` each configuration's
-world is started N times in the same run, each simulated from its own inputs and measured: the
-spread of the measured times is how closely this machine can check any prediction, and the
-summary counts the rows within 10% of their configuration's mean over its worlds
-(``own_mean_within``)."""
+against the simulated compute and host work; where the rank's core went, ``Core``); at the end,
+predicted / measured per configuration (simulated + ``InStep``) and how many are within 10%.
+With ``--repeat N`` each configuration's world is started N times in the same run, each
+simulated from its own inputs and measured: the spread of the measured times is how closely
+this machine can check any prediction. The summary then counts the rows within 10% of their
+configuration's mean over its worlds (``own_mean_within``), and compares each configuration's
+mean prediction over its worlds with their mean measured time (what a prediction made before
+launch can promise where one world's step differs from the next's)."""
 
 from __future__ import annotations
 
