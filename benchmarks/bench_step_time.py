@@ -597,11 +597,9 @@ def main() -> None:
     for name in names:
         mine = [r for r in rows if r.name == name]
         fitted = InStep.fit([r for r in rows if r.name != name])
-        means.append(
-            statistics.fmean(r.simulated + fitted.of(r) for r in mine) / statistics.fmean(r.measured for r in mine)
-        )
-        for row in mine:
-            predicted = row.simulated + fitted.of(row)
+        predictions = [r.simulated + fitted.of(r) for r in mine]
+        means.append(statistics.fmean(predictions) / statistics.fmean(r.measured for r in mine))
+        for row, predicted in zip(mine, predictions):
             ratios.append(predicted / row.measured)
             bare.append(row.simulated / row.measured)
             print(

@@ -16,8 +16,8 @@ their communication), the benchmark also times collectives beside a load: ``Slow
 (a collective alone and beside a collective on the other link, or beside every rank's compute)
 and ``SharingSample`` (two collectives of one link issued together). ``links_from_measurements``
 turns them into the ``LinkModel``'s ``cross_link_slowdown``, ``compute_slowdown``
-(``compute_slowdown_of``) and ``contention``. Nothing is fitted to iteration times, so a measured iteration time can be
-compared with the prediction.
+(``compute_slowdown_of``) and ``contention``. Nothing is fitted to iteration times, so a
+measured iteration time can be compared with the prediction.
 """
 
 from __future__ import annotations
