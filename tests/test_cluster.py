@@ -78,6 +78,7 @@ def test_next_run_sweeps_namespaces_of_a_dead_process() -> None:
         subprocess.run(["ip", "netns", "del", f"fsdpnode0-{dead:x}-0"], capture_output=True, check=False)
 
 
+@pytest.mark.usefixtures("sigint_reaches_children")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signalled_parent_kills_ranks_and_cleans_up(signum: signal.Signals) -> None:
     code = (

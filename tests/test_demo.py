@@ -254,6 +254,7 @@ def test_checkpoint_from_a_different_model_is_refused(tmp_path: Path) -> None:
     assert f"resumed from      {tmp_path} at step 2" in resumed.stdout, resumed.stdout
 
 
+@pytest.mark.usefixtures("sigint_reaches_children")
 @pytest.mark.parametrize("whole_group", [True, False], ids=["terminal", "parent-only"])
 def test_ctrl_c_ends_with_one_line_status_130_and_no_process_left(whole_group: bool) -> None:
     """SIGINT as a terminal's Ctrl-C sends it (to the whole process group), and to the parent
