@@ -82,6 +82,7 @@ from fsdp_core.sim import (
     Load,
     SlowdownSample,
     compute_slowdown_of,
+    event_check_volume,
     fit_table,
     model_of_units,
     simulate_iteration,
@@ -101,11 +102,16 @@ Size = tuple[Collective, Group, int, torch.dtype]
 
 
 def sizes(p: Prediction) -> list[Size]:
-    """Every collective of one synchronising iteration: the units' all-gathers and their plans'."""
+    """Every collective of one synchronising iteration: the units' all-gathers and their plans',
+    and the event check that ends each backward (``event_check_volume``; an int64 all-gather,
+    which ``_issuer`` runs on the wrapper's control group, as the check does)."""
     out: dict[Size, None] = {}
     for u in p.units:
         if u is None:
             continue
+        check = event_check_volume(u.request.sharding)
+        if check.group_size > 1:
+            out[(Collective.ALL_GATHER, Group.SHARD, check.output_numel, check.dtype)] = None
         gather = all_gather_volume(u.request)
         if gather is not None:
             out[(Collective.ALL_GATHER, Group.SHARD, gather.output_numel, gather.dtype)] = None
@@ -136,6 +142,10 @@ def _issuer(model: torch.nn.Module, size: Size) -> Callable[[], Pending]:
     groups = model._tree.groups
     pg = groups.of(group)
     n = pg.size()
+    if collective is Collective.ALL_GATHER and dtype is torch.int64:
+        control = model._tree.control
+        gathered, one = torch.zeros(numel, dtype=dtype), torch.zeros(1, dtype=dtype)
+        return lambda: Pending(_work(all_gather_flat(gathered, one, control, async_op=True)))
     if collective is Collective.ALL_GATHER:
         out = torch.zeros(numel, dtype=dtype)
         mine = out.narrow(0, 0, numel // n).clone()

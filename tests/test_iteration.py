@@ -887,6 +887,51 @@ def test_a_models_real_units_make_the_iteration() -> None:
         model_of_units(units, trace, root=1, compute_ms=compute[:1])
 
 
+def test_the_backward_ends_with_the_shells_event_check() -> None:
+    """The shell ends every backward with its event check (``check_same_events``): the host
+    all-gathers one int64 per rank over every rank after the last post-backward hook and waits.
+    Here ``NO_SHARD`` on the CPU runtime (its all-reduces synchronous, so nothing shares the
+    link with the check), 4 ranks, 2 per node: 32 bytes on the inter-node link, 0.5 ms by the
+    measured table (0.5 ms at 32 bytes, 1.5 at 1032), added to the iteration. A world of one
+    rank has no check, nor a model without it."""
+    table = fit_table(
+        [
+            CollectiveSample(collective=Collective.ALL_GATHER, link=Link.INTER_NODE, nbytes=32, ms=0.5),
+            CollectiveSample(collective=Collective.ALL_GATHER, link=Link.INTER_NODE, nbytes=1032, ms=1.5),
+        ]
+    )
+
+    def iteration(sharding: ShardingSpec, event_check: bool = True) -> IterationTimeline:
+        units, trace = two_units(sharding)
+        model = model_of_units(
+            units,
+            trace,
+            root=1,
+            compute_ms=((1.0, 2.0), (1.0, 2.0)),
+            cost=CostModel(measured=table),
+            ranks_per_node=2,
+            executor=Executor.CPU_LANE,
+            event_check=event_check,
+        )
+        return simulate_iteration(model)
+
+    world = ShardingSpec.for_world(ShardingStrategy.NO_SHARD, 4)
+    checked, unchecked = iteration(world), iteration(world, event_check=False)
+    check = checked.find(Activity.EVENT_CHECK, 1)
+    assert check.link is INTER and check.duration_ms == pytest.approx(0.5)
+    assert check.start_ms == pytest.approx(unchecked.iteration_ms) and checked.intervals[-1] is check
+    assert checked.iteration_ms == pytest.approx(unchecked.iteration_ms + 0.5)
+    assert not any(i.activity is Activity.EVENT_CHECK for i in unchecked.intervals)
+    assert "E end-of-backward event check" in format_iteration(checked)
+    assert "E end-of-backward" not in format_iteration(unchecked)
+    alone = iteration(ShardingSpec.for_world(ShardingStrategy.NO_SHARD, 1))
+    assert not any(i.activity is Activity.EVENT_CHECK for i in alone.intervals)
+    units, trace = two_units(world)
+    model = model_of_units(units, trace, root=1, compute_ms=((1.0, 2.0), (1.0, 2.0)))
+    with pytest.raises(TypeError, match="event_check"):
+        dataclasses.replace(model, event_check=1)  # type: ignore[arg-type]  # the wrong type is the test
+
+
 @pytest.mark.parametrize(
     ("strategy", "fresh_gathers", "later_gathers", "kept"),
     [

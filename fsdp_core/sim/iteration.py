@@ -63,7 +63,7 @@ from fsdp_core.memory.model_memory import ActivationTrace, UnitSpec
 from fsdp_core.memory.plan_memory import Executor, Place, backward_memory
 from fsdp_core.memory.unshard_memory import GLOO_ASYNC_GATHER_MAX_BYTES
 from fsdp_core.plan.carry import step_flags
-from fsdp_core.plan.comm import all_gather_volume, comm_volume
+from fsdp_core.plan.comm import CommVolume, all_gather_volume, comm_volume, ring_bytes
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
@@ -105,6 +105,7 @@ __all__ = [
     "LinkModel",
     "UnitCosts",
     "describe_plans",
+    "event_check_volume",
     "flops_compute_ms",
     "group_link",
     "model_of_units",
@@ -125,6 +126,9 @@ class Activity(enum.Enum):
     ELEMENTWISE = "elementwise"
     """A post-backward plan's casts, padding, divisions, accumulation and offload copies, on the
     plan's streams (priced only by a ``CostModel``)."""
+    EVENT_CHECK = "event_check"
+    """The shell's check at the end of every backward that each rank ran the same FSDP events
+    (``IterationModel.event_check``): an all-gather of one int64 per rank, the host waiting."""
 
     @property
     def is_collective(self) -> bool:
@@ -240,6 +244,13 @@ class IterationModel:
     """Units whose unsharded parameter the previous forward-backward left gathered (inside
     ``no_sync()``, the strategies that do not reshard after forward keep it: FSDP1's
     ``_should_free_in_backward``): their ``Gather`` issues no all-gather until they are resharded."""
+    event_check: bool = False
+    """Whether the backward ends as the shell's does: after the last post-backward hook the host
+    all-gathers one int64 per rank over every rank of the plans' world and waits for it
+    (``fsdp_shell.safety.agreement.check_same_events``: did every rank run the same events?;
+    not in a world of one rank),
+    priced by ``cost`` as an all-gather of that output on the intra-node link when the world
+    fits in one node, else the inter-node one. FSDP1 has no such check."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.units, tuple) or not self.units or not all(isinstance(u, UnitCosts) for u in self.units):
@@ -270,6 +281,8 @@ class IterationModel:
             )
         if not isinstance(self.forward_prefetch, bool):
             raise TypeError(f"IterationModel.forward_prefetch: expected a bool, got {self.forward_prefetch!r}")
+        if not isinstance(self.event_check, bool):
+            raise TypeError(f"IterationModel.event_check: expected a bool, got {self.event_check!r}")
         if not isinstance(self.gathered_at_start, frozenset) or not all(
             isinstance(u, int) and not isinstance(u, bool) and 0 <= u < len(self.units) for u in self.gathered_at_start
         ):
@@ -310,7 +323,7 @@ class ComputeSlowdown:
         """The factor of a collective ``activity`` on ``link`` (an all-reduce uses the inter-node one)."""
         inter = link is Link.INTER_NODE
         match activity:
-            case Activity.FORWARD_ALL_GATHER | Activity.BACKWARD_ALL_GATHER:
+            case Activity.FORWARD_ALL_GATHER | Activity.BACKWARD_ALL_GATHER | Activity.EVENT_CHECK:
                 return self.all_gather_inter if inter else self.all_gather_intra
             case Activity.REDUCE_SCATTER:
                 return self.reduce_scatter_inter if inter else self.reduce_scatter_intra
@@ -697,7 +710,28 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                 pass
             case _:
                 assert_never(event)
+    if model.event_check and sharding is not None and (check := event_check_volume(sharding)).group_size > 1:
+        link = Link.INTRA_NODE if check.group_size <= model.ranks_per_node else Link.INTER_NODE
+        ms = model.cost.collective_seconds(check, link) * 1e3
+        add(request.root, Activity.EVENT_CHECK, Stream.COMPUTE, ms, link=link, after=tuple(awaited))
     return tasks, labels
+
+
+def event_check_volume(sharding: ShardingSpec) -> CommVolume:
+    """The all-gather that ends the shell's backward (``IterationModel.event_check``): one int64
+    per rank over every rank of ``sharding``'s world."""
+    ranks = sharding.shard_size * sharding.replicate_size
+    return CommVolume(
+        op_index=-1,
+        collective="all_gather",
+        op="all_gather",
+        group=Group.SHARD,
+        group_size=ranks,
+        input_numel=1,
+        output_numel=ranks,
+        dtype=torch.int64,
+        bytes=ring_bytes("all_gather", ranks, ranks, torch.int64),
+    )
 
 
 _LANE = "lane"
@@ -785,6 +819,7 @@ def model_of_units(
     sync: bool = True,
     follows_no_sync: bool = False,
     executor: Executor = Executor.STREAMS,
+    event_check: bool = True,
 ) -> IterationModel:
     """The iteration of a model's real units (``fsdp_core.memory.UnitSpec``, as the wrapper
     builds them): each unit's post-backward plan (inside ``no_sync()`` when not ``sync``: no
@@ -797,7 +832,9 @@ def model_of_units(
     of an accumulation window). Each plan starts with what the ``no_sync`` plan handed off (its
     ``carried_out``: the unsharded gradient to add), and where the strategy keeps the unsharded
     parameters inside ``no_sync()`` (``ShardingStrategy.reshards_after_backward``: the ZeRO-2
-    ones) every unit starts gathered (``IterationModel.gathered_at_start``): no all-gathers."""
+    ones) every unit starts gathered (``IterationModel.gathered_at_start``): no all-gathers.
+    ``event_check``: the backward ends with the shell's event check (``IterationModel.event_check``),
+    as every backward the shell runs does, ``no_sync()`` ones included."""
     if len(compute_ms) != len(units):
         raise ValueError(f"compute_ms: expected one (forward, backward) per unit ({len(units)}), got {len(compute_ms)}")
     specs = [u for u in units if u is not None]
@@ -843,6 +880,7 @@ def model_of_units(
         forward_prefetch=forward_prefetch,
         executor=executor,
         gathered_at_start=frozenset(i for i, p in enumerate(plans) if p is not None) if kept else frozenset(),
+        event_check=event_check,
     )
 
 

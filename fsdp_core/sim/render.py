@@ -21,6 +21,7 @@ ACTIVITY_MARKS: Mapping[Activity, str] = MappingProxyType(
         Activity.REDUCE_SCATTER: "R",
         Activity.ALL_REDUCE: "A",
         Activity.ELEMENTWISE: "=",
+        Activity.EVENT_CHECK: "E",
     }
 )
 """The character ``format_iteration`` draws each activity with."""
@@ -82,9 +83,10 @@ def format_iteration(timeline: IterationTimeline, width: int = 100, name: str | 
                 cells[k] = str(min(shared, 9)) if shared > 1 else ACTIVITY_MARKS[here[-1].activity]
         rows.append(f"  {link.value:<14}|{''.join(cells)}|")
     head = f"{name or timeline.label}: {total:.1f} ms per iteration, one column = {per_column:.2f} ms"
+    checked = any(i.activity is Activity.EVENT_CHECK for i in timeline.intervals)
     legend = (
         "  g/G forward/backward all-gather, f forward, b backward, R reduce-scatter, A all-reduce, "
-        "= element-wise, 2-9 collectives sharing a link"
+        f"= element-wise, {'E end-of-backward event check, ' if checked else ''}2-9 collectives sharing a link"
     )
     return "\n".join([head, *rows, legend])
 
