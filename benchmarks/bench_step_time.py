@@ -13,7 +13,8 @@ own, none on the configuration it predicts:
   of its hooks' work (``time_trace``); the slowest rank's;
 - **collectives**: every size the units' plans and all-gathers use, timed alone in the world
   that then trains, with the runtime's own gloo collectives, in interleaved rounds
-  (``beside_in_rounds``); ``fit_table`` fits them (``CostModel.measured``);
+  (``beside_in_rounds``); ``fit_table`` fits them (``CostModel.measured``); the event check
+  that ends each backward (``IterationModel.event_check``) is timed so too, and priced as timed;
 - **how collectives and compute share a rank's core** (``sharing_one_core``): each size also
   timed while every rank computes, and compute timed while collectives of that size are in
   flight, in the same world: ``LinkModel.compute_slowdown`` per kind of collective (measured
@@ -421,9 +422,11 @@ def simulate(
     table: object,
     world: int,
     links: LinkModel = GLOO,
+    check_ms: float | None = None,
 ) -> IterationTimeline:
     """The simulated iteration of ``p``'s units on the CPU runtime (``Executor.CPU_LANE``): the
-    synchronising one, after one inside ``no_sync()`` when ``p`` accumulates (as measured)."""
+    synchronising one, after one inside ``no_sync()`` when ``p`` accumulates (as measured),
+    ending with the event check, costing ``check_ms`` when given."""
     assert isinstance(table, tuple)
     model = model_of_units(
         p.units,
@@ -436,6 +439,7 @@ def simulate(
         forward_prefetch=p.options.forward_prefetch,
         executor=Executor.CPU_LANE,
         follows_no_sync=p.accumulate > 1,
+        event_check_ms=check_ms,
     )
     return simulate_iteration(model, links)
 
@@ -453,10 +457,25 @@ def collective_counts(timeline: IterationTimeline) -> tuple[int, int]:
     return gathers, reductions
 
 
+def is_event_check(size: Size) -> bool:
+    """Whether ``size`` is the event check's all-gather (``sizes``), timed for itself and kept out
+    of the fits of the units' collectives."""
+    return size[0] is Collective.ALL_GATHER and size[3] is torch.int64
+
+
+def event_check_ms(wanted: list[Size], ranks: list[Measured]) -> float | None:
+    """The event check's time alone, the worst rank's; None in a world without it."""
+    k = next((k for k, size in enumerate(wanted) if is_event_check(size)), None)
+    return None if k is None else max(r.collectives[k].collective_alone for r in ranks)
+
+
 def samples(wanted: list[Size], ranks: list[Measured]) -> list[CollectiveSample]:
-    """The worst rank's time of each collective, by the bytes FSDP passes, on the intra-node link."""
+    """The worst rank's time of each of the units' collectives, by the bytes FSDP passes, on the
+    intra-node link."""
     out = []
     for k, (collective, _, numel, dtype) in enumerate(wanted):
+        if is_event_check(wanted[k]):
+            continue
         ms = max(r.collectives[k].collective_alone for r in ranks)
         out.append(
             CollectiveSample(collective=collective, link=Link.INTRA_NODE, nbytes=max(1, numel * dtype.itemsize), ms=ms)
@@ -470,7 +489,11 @@ def sharing_one_core(wanted: list[Size], ranks: list[Measured]) -> LinkModel:
     (``one_collective_per_group=False``); each kind of collective beside compute
     (``compute_slowdown_of``, every link alike: the world is one machine) and compute beside
     collectives (``transfers_slow_compute``: ``slowdown`` over the sizes)."""
-    measured = [(size[0], Beside.each(max, (r.collectives[k] for r in ranks))) for k, size in enumerate(wanted)]
+    measured = [
+        (size[0], Beside.each(max, (r.collectives[k] for r in ranks)))
+        for k, size in enumerate(wanted)
+        if not is_event_check(size)
+    ]
     beside_compute = [
         SlowdownSample(
             collective=collective,
@@ -554,7 +577,8 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned
         compute = _worst(ranks)
         with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
         links = sharing_one_core(wanted, ranks)
-        timeline = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world, links)
+        check = event_check_ms(wanted, ranks)
+        timeline = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world, links, check)
         iteration, working = timeline.iteration_ms, working_ms(timeline)
         optimizer = max(r.optimizer_alone_ms for r in ranks)
         slowest = max(ranks, key=lambda r: r.forward_backward_ms + r.optimizer_ms)
@@ -565,7 +589,7 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned
             f"{iteration:.2f} = working {working:.2f} + waiting {iteration - working:.2f}, measured "
             f"{slowest.forward_backward_ms:.2f} = {slowest.forward_backward_ms - slowest.waits_ms:.2f} + "
             f"{slowest.waits_ms:.2f}; optimizer {optimizer:.2f}, measured {slowest.optimizer_ms:.2f}; "
-            f"{gathers} all-gathers, {reductions} reductions; beside compute: all-gather "
+            f"{gathers} all-gathers, {reductions} reductions, event check {check or 0:.2f}; beside compute: all-gather "
             f"x{links.compute_slowdown.all_gather_intra:.2f}, reduce-scatter "
             f"x{links.compute_slowdown.reduce_scatter_intra:.2f}, all-reduce "
             f"x{links.compute_slowdown.all_reduce_inter:.2f}; compute beside them x{links.transfers_slow_compute:.2f}; "

@@ -892,8 +892,8 @@ def test_the_backward_ends_with_the_shells_event_check() -> None:
     all-gathers one int64 per rank over every rank after the last post-backward hook and waits.
     Here ``NO_SHARD`` on the CPU runtime (its all-reduces synchronous, so nothing shares the
     link with the check), 4 ranks, 2 per node: 32 bytes on the inter-node link, 0.5 ms by the
-    measured table (0.5 ms at 32 bytes, 1.5 at 1032), added to the iteration. A world of one
-    rank has no check, nor a model without it."""
+    measured table (0.5 ms at 32 bytes, 1.5 at 1032), added to the iteration; 0.25 ms when its
+    measured time is given. A world of one rank has no check, nor a model without it."""
     table = fit_table(
         [
             CollectiveSample(collective=Collective.ALL_GATHER, link=Link.INTER_NODE, nbytes=32, ms=0.5),
@@ -901,7 +901,7 @@ def test_the_backward_ends_with_the_shells_event_check() -> None:
         ]
     )
 
-    def iteration(sharding: ShardingSpec, event_check: bool = True) -> IterationTimeline:
+    def iteration(sharding: ShardingSpec, event_check: bool = True, ms: float | None = None) -> IterationTimeline:
         units, trace = two_units(sharding)
         model = model_of_units(
             units,
@@ -912,6 +912,7 @@ def test_the_backward_ends_with_the_shells_event_check() -> None:
             ranks_per_node=2,
             executor=Executor.CPU_LANE,
             event_check=event_check,
+            event_check_ms=ms,
         )
         return simulate_iteration(model)
 
@@ -922,6 +923,10 @@ def test_the_backward_ends_with_the_shells_event_check() -> None:
     assert check.start_ms == pytest.approx(unchecked.iteration_ms) and checked.intervals[-1] is check
     assert checked.iteration_ms == pytest.approx(unchecked.iteration_ms + 0.5)
     assert not any(i.activity is Activity.EVENT_CHECK for i in unchecked.intervals)
+    timed = iteration(world, ms=0.25)
+    assert timed.iteration_ms == pytest.approx(unchecked.iteration_ms + 0.25)
+    with pytest.raises(ValueError, match="event_check_ms"):
+        iteration(world, ms=-1.0)
     assert "E end-of-backward event check" in format_iteration(checked)
     assert "E end-of-backward" not in format_iteration(unchecked)
     alone = iteration(ShardingSpec.for_world(ShardingStrategy.NO_SHARD, 1))

@@ -248,9 +248,12 @@ class IterationModel:
     """Whether the backward ends as the shell's does: after the last post-backward hook the host
     all-gathers one int64 per rank over every rank of the plans' world and waits for it
     (``fsdp_shell.safety.agreement.check_same_events``: did every rank run the same events?;
-    not in a world of one rank),
-    priced by ``cost`` as an all-gather of that output on the intra-node link when the world
-    fits in one node, else the inter-node one. FSDP1 has no such check."""
+    not in a world of one rank), on the intra-node link when the world fits in one node, else the
+    inter-node one; it costs ``event_check_ms``, or, when that is None, what ``cost`` prices an
+    all-gather of that output at. FSDP1 has no such check."""
+    event_check_ms: float | None = None
+    """The event check's measured ms (its own collective, timed alone: a fit of the
+    parameters' all-gathers need not hold at 8 bytes per rank); None: priced by ``cost``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.units, tuple) or not self.units or not all(isinstance(u, UnitCosts) for u in self.units):
@@ -283,6 +286,8 @@ class IterationModel:
             raise TypeError(f"IterationModel.forward_prefetch: expected a bool, got {self.forward_prefetch!r}")
         if not isinstance(self.event_check, bool):
             raise TypeError(f"IterationModel.event_check: expected a bool, got {self.event_check!r}")
+        if self.event_check_ms is not None:
+            _check_ms("IterationModel", "event_check_ms", self.event_check_ms)
         if not isinstance(self.gathered_at_start, frozenset) or not all(
             isinstance(u, int) and not isinstance(u, bool) and 0 <= u < len(self.units) for u in self.gathered_at_start
         ):
@@ -712,7 +717,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                 assert_never(event)
     if model.event_check and sharding is not None and (check := event_check_volume(sharding)).group_size > 1:
         link = Link.INTRA_NODE if check.group_size <= model.ranks_per_node else Link.INTER_NODE
-        ms = model.cost.collective_seconds(check, link) * 1e3
+        given = model.event_check_ms
+        ms = model.cost.collective_seconds(check, link) * 1e3 if given is None else given
         add(request.root, Activity.EVENT_CHECK, Stream.COMPUTE, ms, link=link, after=tuple(awaited))
     return tasks, labels
 
@@ -820,6 +826,7 @@ def model_of_units(
     follows_no_sync: bool = False,
     executor: Executor = Executor.STREAMS,
     event_check: bool = True,
+    event_check_ms: float | None = None,
 ) -> IterationModel:
     """The iteration of a model's real units (``fsdp_core.memory.UnitSpec``, as the wrapper
     builds them): each unit's post-backward plan (inside ``no_sync()`` when not ``sync``: no
@@ -834,7 +841,8 @@ def model_of_units(
     parameters inside ``no_sync()`` (``ShardingStrategy.reshards_after_backward``: the ZeRO-2
     ones) every unit starts gathered (``IterationModel.gathered_at_start``): no all-gathers.
     ``event_check``: the backward ends with the shell's event check (``IterationModel.event_check``),
-    as every backward the shell runs does, ``no_sync()`` ones included."""
+    as every backward the shell runs does, ``no_sync()`` ones included, costing ``event_check_ms``
+    when given."""
     if len(compute_ms) != len(units):
         raise ValueError(f"compute_ms: expected one (forward, backward) per unit ({len(units)}), got {len(compute_ms)}")
     specs = [u for u in units if u is not None]
@@ -881,6 +889,7 @@ def model_of_units(
         executor=executor,
         gathered_at_start=frozenset(i for i, p in enumerate(plans) if p is not None) if kept else frozenset(),
         event_check=event_check,
+        event_check_ms=event_check_ms,
     )
 
 
