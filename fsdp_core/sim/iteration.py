@@ -725,7 +725,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
 
 def event_check_volume(sharding: ShardingSpec) -> CommVolume:
     """The all-gather that ends the shell's backward (``IterationModel.event_check``): one int64
-    per rank over every rank of ``sharding``'s world."""
+    per rank over every rank of ``sharding``'s world. Its ``group`` says ``SHARD`` only because
+    ``Group`` has no name for every rank; the simulator picks its link from ``group_size``."""
     ranks = sharding.shard_size * sharding.replicate_size
     return CommVolume(
         op_index=-1,
