@@ -5,15 +5,19 @@ Run on demand: ``python benchmarks/bench_step_time.py [--configs NAME,...] [--st
 
 The prediction is ``fsdp_core.sim.simulate_iteration`` of the model's real units
 (``model_of_units``: their plans, the recorded all-gather orders, ``Executor.CPU_LANE``: where
-the CPU runtime runs each op), plus the optimizer step. Its inputs are measured, each on its
-own, none on the configuration it predicts:
+the CPU runtime runs each op), plus the optimizer step. Its inputs are measured in the world
+that then trains, in turns with its training steps (``measure``: five rounds, each timing the
+inputs and then a fifth of the steps, so that a slow phase of the machine falls on both), none
+on the configuration it predicts:
 
 - **compute**: each unit's forward and backward, the step run for real on every rank of the
   world at once (as they will train, sharing the machine), with FSDP's parameter views but none
   of its hooks' work (``time_trace``); the slowest rank's;
-- **collectives**: every size the units' plans and all-gathers use, timed alone in the world
-  that then trains, with the runtime's own gloo collectives, in interleaved rounds
-  (``beside_in_rounds``); ``fit_table`` fits them (``CostModel.measured``); the event check
+- **collectives**: every size the units' plans and all-gathers use, with the runtime's own gloo
+  collectives, each issued after every rank computed for as long as a unit's backward (as the
+  step meets it) and timed to its end; the *mean* of 30 calls (``Beside.collective_after_compute``:
+  the latency here has a fast and a slow mode, and the median is the fast one), the rank's that
+  waited least (``in_step``); ``fit_table`` fits them (``CostModel.measured``). The event check
   that ends each backward (``IterationModel.event_check``) is timed so too, and priced as timed;
 - **how collectives and compute share a rank's core** (``sharing_one_core``): each size also
   timed while every rank computes, and compute timed while collectives of that size are in
@@ -27,9 +31,9 @@ own, none on the configuration it predicts:
 - **the optimizer step**: ``step()`` and ``zero_grad()`` on tensors of the shapes each rank's
   optimizer steps (``optimized_tensors``), every rank at once.
 
-What a collective costs *inside* a step beyond its time alone (the host issuing it and handing
-it to gloo's threads, the wake-up of a rank that computed meanwhile) is not measured apart: it
-is the prediction's two free parameters, ``InStep``'s ms per all-gather and ms per reduction,
+What a collective costs *inside* a step beyond that (the host issuing it and handing it to
+gloo's threads, what the plan interpreter does around it) is not measured apart: it is the
+prediction's two free parameters, ``InStep``'s ms per all-gather and ms per reduction,
 fitted (least squares, >= 0) on the other configurations' rows, never on the row predicted.
 
 Measured: the median over ``--steps`` steps (after warm-up) of each rank's forward + backward
@@ -52,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import statistics
@@ -175,10 +180,19 @@ def _compute_chunk() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Beside:
-    """One collective size timed alone and while every rank computes, and a fixed amount of
-    compute timed alone and while collectives of that size are in flight (ms, medians)."""
+    """One collective size timed alone, after compute and while every rank computes, and a fixed
+    amount of compute timed alone and while collectives of that size are in flight (ms,
+    medians)."""
 
     collective_alone: float
+    """Issued and waited for right after a barrier."""
+    collective_after_compute: float
+    """Issued and waited for after every rank computed for as long as a unit's backward, as a
+    step meets it; the *mean*, where the other fields are medians. This machine's collective
+    latency has two modes, phases of some calls each: a 2-rank all-reduce of 16 KB takes 0.35
+    ms or 2-3.5 ms, alone or after compute alike. The median of the calls is the fast mode; a
+    step, the sum of many collectives, takes about the sum of their means. It is the time that
+    the prediction prices."""
     collective_loaded: float
     compute_alone: float
     compute_loaded: float
@@ -189,11 +203,30 @@ class Beside:
         column = list(column)
         return Beside(*(of([getattr(b, f.name) for b in column]) for f in dataclasses.fields(Beside)))
 
+    @staticmethod
+    def over_rounds(rounds: Iterable[Beside]) -> Beside:
+        """One size's rounds taken together: the mean of ``collective_after_compute`` (each
+        round's is a mean of as many calls), the median of the other fields."""
+        rounds = list(rounds)
+        median = Beside.each(statistics.median, rounds)
+        return dataclasses.replace(
+            median, collective_after_compute=statistics.fmean(b.collective_after_compute for b in rounds)
+        )
 
-def _beside(issue: Callable[[], Pending], repeats: int, chunks: int = 40) -> Beside:
-    """``Beside`` of the collective ``issue`` starts: it beside compute (every rank computing in
-    small chunks until its own copy completes), and ``chunks`` of compute beside enough of it in
-    flight to outlast them (how many: agreed by every rank, so each issues as many)."""
+
+def _beside(issue: Callable[[], Pending], repeats: int, lead_in_ms: float, chunks: int = 40) -> Beside:
+    """``Beside`` of the collective ``issue`` starts: it alone, after ``lead_in_ms`` of compute
+    on every rank, beside compute (every rank computing in small chunks until its own copy
+    completes), and ``chunks`` of compute beside enough of it in flight to outlast them (how
+    many: agreed by every rank, so each issues as many)."""
+
+    def after_compute() -> float:
+        end = time.perf_counter() + lead_in_ms / 1e3
+        while time.perf_counter() < end:
+            _compute_chunk()
+        start = time.perf_counter()
+        issue().wait()
+        return (time.perf_counter() - start) * 1e3
 
     def loaded() -> None:
         pending = issue()
@@ -206,6 +239,12 @@ def _beside(issue: Callable[[], Pending], repeats: int, chunks: int = 40) -> Bes
             _compute_chunk()
 
     alone = _time(lambda: issue().wait(), repeats)
+    led = []
+    for i in range(2 * repeats):
+        dist.barrier()
+        ms = after_compute()
+        if i >= repeats:
+            led.append(ms)
     collective_loaded = _time(loaded, repeats)
     compute_alone = _time(compute, repeats)
     count = torch.tensor([math.ceil(3 * compute_alone / max(alone, 1e-3))])
@@ -222,7 +261,7 @@ def _beside(issue: Callable[[], Pending], repeats: int, chunks: int = 40) -> Bes
             p.wait()
         if i >= repeats:
             times.append(elapsed)
-    return Beside(alone, collective_loaded, compute_alone, statistics.median(times))
+    return Beside(alone, statistics.fmean(led), collective_loaded, compute_alone, statistics.median(times))
 
 
 @contextlib.contextmanager
@@ -312,15 +351,6 @@ def core_use(before: dict[int, tuple[str, float]], wall_ms: float, steps: int) -
     return Core(wall_ms / steps, host / steps, gloo / steps, other / steps)
 
 
-def beside_in_rounds(issuers: list[Callable[[], Pending]], rounds: int = 5, repeats: int = 6) -> list[Beside]:
-    """``Beside`` of each collective, timed in ``rounds`` passes over all of them (``repeats``
-    calls each per pass), each field the median of its passes: a size timed in one block can
-    fall whole into a slow phase of the world (an all-reduce of 16 KB took a median 3 ms over 20
-    calls, then 0.5 ms in the next 20, on both ranks), which one pass in five does not move."""
-    passes = [[_beside(issue, repeats) for issue in issuers] for _ in range(rounds)]
-    return [Beside.each(statistics.median, column) for column in zip(*passes)]
-
-
 def pin(rank: int) -> None:
     """Run this rank's threads on one core only, ``rank`` modulo the cores (as a rank owns its
     GPU): left to the scheduler, two ranks' threads migrate between the cores and one
@@ -331,52 +361,76 @@ def pin(rank: int) -> None:
 
 
 def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool]) -> Measured:
-    """The compute and the optimizer step without FSDP (every rank at once, as they will
-    train), each collective alone, then ``steps`` training steps (after ``warmup``) timed;
-    everything on one core per rank if ``pinned`` (``pin``)."""
+    """The inputs and the training they predict, timed in turns (``ROUNDS`` rounds, after
+    ``warmup`` training steps): each round times the compute and the optimizer step without FSDP
+    (every rank at once, as they train), each collective alone and beside compute (``_beside``),
+    then a share of the ``steps`` training steps. Each input is the median of its rounds, the
+    training step the median of all timed steps. This machine has slow phases: an all-reduce of
+    16 KB took a median 3 ms over 20 calls, then 0.5 ms in the next 20, on both ranks; timed in
+    turns, such a phase falls on the inputs and on the steps alike, not on one of them only.
+    Everything on one core per rank if ``pinned`` (``pin``)."""
     cfg, wanted, steps, warmup, pinned = job
     if pinned:
         pin(rank)
     p = predict(cfg)
     dist.barrier()
-    compute = local_compute(cfg, p)
-    optimizer_alone = optimizer_ms(cfg, p)
     model = _wrap("ours", cfg)
     opt = optimizer_of(cfg, model.parameters())
-    collectives = beside_in_rounds([_issuer(model, s) for s in wanted])
-    forward_backward, optimizer, waits = [], [], []
-    for step in range(warmup + steps):
-        if step == warmup:
-            cpu_before, wall_before = thread_cpu_ms(), time.perf_counter()
-        for micro in range(cfg.accumulate):
-            sync = micro == cfg.accumulate - 1
-            dist.barrier()
-            waited = [0.0]
+    issuers = [_issuer(model, s) for s in wanted]
+    forward_backward: list[float] = []
+    optimizer: list[float] = []
+    waits: list[float] = []
+    numbering = itertools.count()
+
+    def train(count: int, timed: bool) -> None:
+        for _ in range(count):
+            step = next(numbering)
+            for micro in range(cfg.accumulate):
+                sync = micro == cfg.accumulate - 1
+                dist.barrier()
+                waited = [0.0]
+                start = time.perf_counter()
+                with host_waits(waited), contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]  # our wrapper
+                    loss = loss_of(model, cfg, rank, step)
+                    torch.autograd.backward(loss)
+                if timed and sync:
+                    forward_backward.append((time.perf_counter() - start) * 1e3)
+                    waits.append(waited[0] * 1e3)
             start = time.perf_counter()
-            with host_waits(waited), contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]  # our wrapper
-                loss = loss_of(model, cfg, rank, step)
-                torch.autograd.backward(loss)
-            if step >= warmup and sync:
-                forward_backward.append((time.perf_counter() - start) * 1e3)
-                waits.append(waited[0] * 1e3)
-        start = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        if step >= warmup:
-            optimizer.append((time.perf_counter() - start) * 1e3)
-    core = core_use(cpu_before, (time.perf_counter() - wall_before) * 1e3, steps)
+            opt.step()
+            opt.zero_grad()
+            if timed:
+                optimizer.append((time.perf_counter() - start) * 1e3)
+
+    train(warmup, timed=False)
+    computes, optimizers, passes, cores = [], [], [], []
+    for r in range(ROUNDS):
+        computes.append(local_compute(cfg, p, repeats=3))
+        optimizers.append(optimizer_ms(cfg, p, repeats=3))
+        lead_in = statistics.median(b for _, b in computes[-1])
+        passes.append([_beside(issue, 6, lead_in) for issue in issuers])
+        share = steps // ROUNDS + (r < steps % ROUNDS)
+        train(1, timed=False)
+        cpu_before, wall_before = thread_cpu_ms(), time.perf_counter()
+        train(share, timed=True)
+        cores.append(core_use(cpu_before, (time.perf_counter() - wall_before) * 1e3, 1))
+    total = Core(*(sum(getattr(c, f.name) for c in cores) / steps for f in dataclasses.fields(Core)))
     return Measured(
-        compute,
-        optimizer_alone,
-        collectives,
+        [(statistics.median(f for f, _ in unit), statistics.median(b for _, b in unit)) for unit in zip(*computes)],
+        statistics.median(optimizers),
+        [Beside.over_rounds(column) for column in zip(*passes)],
         statistics.median(forward_backward),
         statistics.median(optimizer),
         statistics.median(waits),
-        core,
+        total,
     )
 
 
-def local_compute(cfg: Config, p: Prediction) -> list[tuple[float, float]]:
+ROUNDS = 5
+"""The rounds ``measure`` times a world's inputs and its training steps in, in turns."""
+
+
+def local_compute(cfg: Config, p: Prediction, repeats: int = 9) -> list[tuple[float, float]]:
     """Each unit's forward and backward ms, the step run for real here (``time_trace``)."""
     with torch.device("meta"):
         module, _ = net(cfg)
@@ -387,7 +441,7 @@ def local_compute(cfg: Config, p: Prediction) -> list[tuple[float, float]]:
         for s, ow, u in zip(sites, owned, p.units)
     ]
     seconds = time_trace(
-        module, units, lambda m: loss_of(m, cfg, 0, 0), mixed_precision=p.options.mixed_precision, repeats=9
+        module, units, lambda m: loss_of(m, cfg, 0, 0), mixed_precision=p.options.mixed_precision, repeats=repeats
     )
     return [(f * 1e3, b * 1e3) for f, b in p.trace.unit_values(seconds, len(p.units), len(p.units) - 1)]
 
@@ -464,19 +518,26 @@ def is_event_check(size: Size) -> bool:
 
 
 def event_check_ms(wanted: list[Size], ranks: list[Measured]) -> float | None:
-    """The event check's time alone, the worst rank's; None in a world without it."""
+    """The event check's time after compute (``in_step``); None in a world without it."""
     k = next((k for k, size in enumerate(wanted) if is_event_check(size)), None)
-    return None if k is None else max(r.collectives[k].collective_alone for r in ranks)
+    return None if k is None else in_step(ranks, k)
+
+
+def in_step(ranks: list[Measured], k: int) -> float:
+    """Collective ``k``'s time after compute (``Beside.collective_after_compute``), the rank's that
+    waited least: the others waited, besides, for the ranks that computed longer, which the
+    simulated compute (the slowest rank's, ``_worst``) already holds."""
+    return min(r.collectives[k].collective_after_compute for r in ranks)
 
 
 def samples(wanted: list[Size], ranks: list[Measured]) -> list[CollectiveSample]:
-    """The worst rank's time of each of the units' collectives, by the bytes FSDP passes, on the
-    intra-node link."""
+    """Each of the units' collectives' time after compute (``in_step``), by the bytes FSDP
+    passes, on the intra-node link."""
     out = []
     for k, (collective, _, numel, dtype) in enumerate(wanted):
         if is_event_check(wanted[k]):
             continue
-        ms = max(r.collectives[k].collective_alone for r in ranks)
+        ms = in_step(ranks, k)
         out.append(
             CollectiveSample(collective=collective, link=Link.INTRA_NODE, nbytes=max(1, numel * dtype.itemsize), ms=ms)
         )
