@@ -189,10 +189,11 @@ class Beside:
     collective_after_compute: float
     """Issued and waited for after every rank computed for as long as a unit's backward, as a
     step meets it; the *mean*, where the other fields are medians. This machine's collective
-    latency has two modes, phases of some calls each: a 2-rank all-reduce of 16 KB takes 0.35
-    ms or 2-3.5 ms, alone or after compute alike. The median of the calls is the fast mode; a
-    step, the sum of many collectives, takes about the sum of their means. It is the time that
-    the prediction prices."""
+    latency has two modes, phases of some calls each: in a world of two ranks, a 16 KB
+    all-reduce took 0.35-0.62 ms or 1.9-3.6 ms after compute (medians of 6 calls), an 8-byte
+    all-gather 0.33-0.61 or 1.4-2.8 ms right after a barrier. The median of the calls is the
+    fast mode; a step, the sum of many collectives, takes about the sum of their means. It is
+    the time that the prediction prices."""
     collective_loaded: float
     compute_alone: float
     compute_loaded: float
