@@ -126,19 +126,29 @@ def sizes(p: Prediction) -> list[Size]:
     return list(out)
 
 
-def _time(run: object, repeats: int) -> float:
-    """The median ms of ``run()`` over ``repeats``, every rank starting together, after as many
-    untimed calls (a group's first collectives after the world starts are slow and speed up over
-    several calls; in training they have had the warm-up steps)."""
-    assert callable(run)
-    times = []
+def _calls(call: Callable[[], float], repeats: int) -> list[float]:
+    """What ``call()`` returns (ms) on ``repeats`` calls, every rank starting each together, after
+    as many untimed calls (a group's first collectives after the world starts are slow and speed
+    up over several calls; in training they have had the warm-up steps)."""
+    out = []
     for i in range(2 * repeats):
         dist.barrier()
-        start = time.perf_counter()
-        run()
+        ms = call()
         if i >= repeats:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+            out.append(ms)
+    return out
+
+
+def _ms(run: Callable[[], object]) -> float:
+    """How long ``run()`` takes (ms)."""
+    start = time.perf_counter()
+    run()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _time(run: Callable[[], object], repeats: int) -> float:
+    """The median ms of ``run()`` (``_calls``)."""
+    return statistics.median(_calls(lambda: _ms(run), repeats))
 
 
 def _issuer(model: torch.nn.Module, size: Size) -> Callable[[], Pending]:
@@ -225,9 +235,7 @@ def _beside(issue: Callable[[], Pending], repeats: int, lead_in_ms: float, chunk
         end = time.perf_counter() + lead_in_ms / 1e3
         while time.perf_counter() < end:
             _compute_chunk()
-        start = time.perf_counter()
-        issue().wait()
-        return (time.perf_counter() - start) * 1e3
+        return _ms(lambda: issue().wait())
 
     def loaded() -> None:
         pending = issue()
@@ -240,29 +248,22 @@ def _beside(issue: Callable[[], Pending], repeats: int, lead_in_ms: float, chunk
             _compute_chunk()
 
     alone = _time(lambda: issue().wait(), repeats)
-    led = []
-    for i in range(2 * repeats):
-        dist.barrier()
-        ms = after_compute()
-        if i >= repeats:
-            led.append(ms)
+    after = statistics.fmean(_calls(after_compute, repeats))
     collective_loaded = _time(loaded, repeats)
     compute_alone = _time(compute, repeats)
     count = torch.tensor([math.ceil(3 * compute_alone / max(alone, 1e-3))])
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     in_flight = int(count)
-    times = []
-    for i in range(2 * repeats):
-        dist.barrier()
+
+    def compute_beside_in_flight() -> float:
         pending = [issue() for _ in range(in_flight)]
-        start = time.perf_counter()
-        compute()
-        elapsed = (time.perf_counter() - start) * 1e3
+        ms = _ms(compute)
         for p in pending:
             p.wait()
-        if i >= repeats:
-            times.append(elapsed)
-    return Beside(alone, statistics.fmean(led), collective_loaded, compute_alone, statistics.median(times))
+        return ms
+
+    compute_loaded = statistics.median(_calls(compute_beside_in_flight, repeats))
+    return Beside(alone, after, collective_loaded, compute_alone, compute_loaded)
 
 
 @contextlib.contextmanager
