@@ -621,6 +621,28 @@ def test_user_factor_with_premul_sum() -> None:
     assert str(premul) == "premul_sum(0.333333)"
 
 
+@pytest.mark.parametrize("replicate", [1, 4])
+def test_user_factor_over_a_shard_group_of_one_divides_after(replicate: int) -> None:
+    """No PREMUL_SUM on a group of one rank (NCCL copies; see ``divide_factors``)."""
+    got = factors_of(
+        replicate,
+        torch.float32,
+        Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL, factor=3.0),
+        replicate=replicate,
+    )
+    assert got == DivideFactors(pre=1.0, post=3.0, reduce_scatter_op=SUM, all_reduce_op=SUM, total=3.0)
+
+
+@pytest.mark.parametrize(("dp", "replicate", "rs", "ar"), [(4, 4, SUM, AVG), (4, 1, AVG, SUM), (8, 2, AVG, AVG)])
+def test_average_only_over_groups_of_more_than_one_rank(
+    dp: int, replicate: int, rs: ReduceOpSpec, ar: ReduceOpSpec
+) -> None:
+    got = factors_of(
+        dp, torch.bfloat16, Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=NCCL), replicate=replicate
+    )
+    assert got == DivideFactors(pre=1.0, post=1.0, reduce_scatter_op=rs, all_reduce_op=ar, total=float(dp))
+
+
 def test_user_factor_without_premul_sum_divides_after() -> None:
     got = factors_of(8, torch.float32, Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=GLOO, factor=3.0))
     assert got == DivideFactors(pre=1.0, post=3.0, reduce_scatter_op=SUM, all_reduce_op=SUM, total=3.0)

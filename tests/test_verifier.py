@@ -544,6 +544,27 @@ def test_divided_twice_in_collective_and_after() -> None:
     found(broken, Rule.DIVISION, says="divided by 64 in total, expected 8")
 
 
+@pytest.mark.parametrize("strategy", [FULL, NO_SHARD])
+def test_scaling_collective_over_one_rank(strategy: ShardingStrategy) -> None:
+    """Rule DIVISION: a user factor of 3 put into a collective over a group of one rank as
+    PREMUL_SUM(1/3), as the planner did before a GPU showed that NCCL returns such a
+    reduce-scatter's input undivided. The planner divides outside it instead."""
+    division = dataclasses.replace(NCCL_AVG, factor=3.0)
+    plan = make_plan(strategy, world=1, division=division)
+    assert check_plan(plan) == []
+    post = find(plan, Divide)
+    assert op_at(plan, post, Divide).factor == 3.0
+    premul = ReduceOpSpec(kind=ReduceKind.PREMUL_SUM, premul=1.0 / 3.0)
+    broken = with_ops(plan, [op for i, op in enumerate(plan.ops) if i != post])
+    if strategy is FULL:
+        at = find(broken, ReduceScatter)
+        broken = replace_at(broken, at, dataclasses.replace(op_at(broken, at, ReduceScatter), reduce_op=premul))
+    else:
+        at = find(broken, AllReduce)
+        broken = replace_at(broken, at, dataclasses.replace(op_at(broken, at, AllReduce), reduce_op=premul))
+    found(broken, Rule.DIVISION, at=at, says="group of one rank with premul_sum(0.333333)")
+
+
 def test_comm_hook_divides_by_wrong_group_size() -> None:
     """Rule DIVISION: the hook is told to average over 4 ranks in a group of 8."""
     plan = make_plan(FULL, hook=CommHook.FP16_COMPRESS)

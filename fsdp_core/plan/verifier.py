@@ -46,6 +46,7 @@ from fsdp_core.plan.ops import (
 )
 from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.problems import Problem, Rule
+from fsdp_core.spec.division import ReduceKind, ReduceOpSpec
 from fsdp_core.spec.layout import ShardView, unsharded_views
 
 __all__ = ["check_plan", "expected_destination"]
@@ -349,10 +350,12 @@ class _Checker:
             case Divide():
                 self.op_divide(op)
             case ReduceScatter():
+                self.check_one_rank_op(op.reduce_op, op.group, "reduce_scatter")
                 self.op_reduce_scatter(
                     op.src, op.dst, op.group, op.reduce_op.scale(self.group_size(op.group)), op.stream
                 )
             case AllReduce():
+                self.check_one_rank_op(op.reduce_op, op.group, "all_reduce")
                 self.op_all_reduce(op.buffer, op.group, op.reduce_op.scale(self.group_size(op.group)), op.stream)
             case CommHookCall():
                 self.op_hook(op)
@@ -448,6 +451,15 @@ class _Checker:
         st = self.write_in_place(op.buffer, ev)
         if st is not None and st.value.scale is not None:
             st.value.scale /= op.factor
+
+    def check_one_rank_op(self, reduce_op: ReduceOpSpec, group: Group, what: str) -> None:
+        """A collective over one rank is a copy (NCCL): it must not be trusted to scale."""
+        if self.group_size(group) == 1 and reduce_op.kind is not ReduceKind.SUM:
+            self.report(
+                Rule.DIVISION,
+                f"{what} over the {group.value} group of one rank with {reduce_op}: a one-rank collective "
+                "is a copy and may not scale; divide outside it",
+            )
 
     def check_reducible(self, st: _BufState, group: Group, what: str) -> None:
         if st.value.reductions[group] >= 1:

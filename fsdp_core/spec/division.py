@@ -176,6 +176,11 @@ def divide_factors(
     average in the collective (``AVG`` on both groups, or ``PREMUL_SUM(1/f)`` on the first for a
     user factor) when the backend can; fp16 splits the division near ``sqrt(f)``; a backend that
     can do neither divides after the reduction.
+
+    A group of one rank only ever sums (a no-op) and divides outside the collective: NCCL runs a
+    one-rank collective as a local copy, and on an H200 (NCCL 2.28.9) a one-rank
+    ``PREMUL_SUM(1/3)`` reduce-scatter returned its input undivided and a bf16 in-place one-rank
+    all-reduce returned garbage (FSDP2 skips the collective at world size 1 for the same reason).
     """
     dp = shard_size * replicate_size
     total = float(dp) if division.factor is None else float(division.factor)
@@ -190,8 +195,14 @@ def divide_factors(
         return DivideFactors(pre=1.0, post=1.0, reduce_scatter_op=SUM, all_reduce_op=SUM, total=total)
     if division.factor is None and division.backend.supports_avg:
         avg = ReduceOpSpec(kind=ReduceKind.AVG)
-        return DivideFactors(pre=1.0, post=1.0, reduce_scatter_op=avg, all_reduce_op=avg, total=total)
-    if division.backend.supports_premul_sum:
+        return DivideFactors(
+            pre=1.0,
+            post=1.0,
+            reduce_scatter_op=avg if shard_size > 1 else SUM,
+            all_reduce_op=avg if replicate_size > 1 else SUM,
+            total=total,
+        )
+    if division.backend.supports_premul_sum and shard_size > 1:
         premul = ReduceOpSpec(kind=ReduceKind.PREMUL_SUM, premul=1.0 / total)
         return DivideFactors(pre=1.0, post=1.0, reduce_scatter_op=premul, all_reduce_op=SUM, total=total)
     return DivideFactors(pre=1.0, post=total, reduce_scatter_op=SUM, all_reduce_op=SUM, total=total)
