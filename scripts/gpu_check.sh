@@ -7,17 +7,28 @@
 #   3. the sharded and hybrid paths with 2 and 4 ranks sharing device 0 over gloo, on real device
 #      streams, also with one side stream slowed (tests/gpu_worlds.py; it first names the
 #      collectives gloo lacks for device tensors).
-# Usage: bash scripts/gpu_check.sh
+# Each part's whole output (failures with their tracebacks) is kept in GPU_CHECK_LOGS (a new
+# temporary folder unless set); the last line names it.
+# Usage: bash scripts/gpu_check.sh            (PYTHON: the interpreter that holds torch, else python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
-python -m pip install --disable-pip-version-check -q -e ".[dev]" >/dev/null 2>&1 || true
+py=${PYTHON:-$(command -v python3 || command -v python)}
+logs=${GPU_CHECK_LOGS:-$(mktemp -d)}
+mkdir -p "$logs"
+"$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())" || exit 1
+"$py" -c "import fsdp_shell" 2>/dev/null || "$py" -m pip install --disable-pip-version-check -q -e ".[dev]" >"$logs/install.log" 2>&1
 status=0
-line=$(timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "not peak and not predicted" 2>&1 | tail -1) || status=1
-echo "world size 1, NCCL: ${line}"
-line=$(timeout 60 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k peak 2>&1 | grep -E "max_memory_allocated|passed|failed|error" | tr '\n' ' ') || status=1
-echo "memory against FSDP1: ${line}"
-line=$(timeout 90 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k predicted 2>&1 | grep -E "predicted peak|passed|failed|error" | tr '\n' ' ') || status=1
-echo "memory against the prediction: ${line}"
-timeout 200 python -m tests.gpu_worlds || status=1
+pytest_part() {  # name, timeout, pytest arguments...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$py" -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_gpu.py "$@" >"$logs/$name.log" 2>&1
+}
+pytest_part nccl 150 -k "not peak and not predicted" || status=1
+echo "world size 1, NCCL: $(tail -1 "$logs/nccl.log")"
+pytest_part peak 60 -k peak || status=1
+echo "memory against FSDP1: $(grep -E "max_memory_allocated|passed|failed|error" "$logs/peak.log" | tr '\n' ' ')"
+pytest_part predicted 90 -k predicted || status=1
+echo "memory against the prediction: $(grep -E "predicted peak|passed|failed|error" "$logs/predicted.log" | tr '\n' ' ')"
+timeout 200 "$py" -m tests.gpu_worlds 2>&1 | tee "$logs/worlds.log" || status=1
+echo "whole output of each part: $logs"
 exit $status

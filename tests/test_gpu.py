@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,7 +143,10 @@ def test_cpu_offload_copies_into_pinned_buffers(nccl_world: None) -> None:
 
 @pytest.mark.parametrize("factor", [None, 3.0])
 def test_in_collective_division_on_nccl(nccl_world: None, factor: float | None) -> None:
-    """AVG (no custom factor) or PREMUL_SUM (a custom factor) inside the NCCL collective."""
+    """The in-collective division policy on NCCL at world size 1, with and without a custom
+    factor. A group of one rank only sums, and the factor is divided outside the collective: on
+    an H200 (NCCL 2.28.9) this test gave 3x the gradient while the plan put the factor of 3 into
+    the one-rank reduce-scatter as ``PREMUL_SUM(1/3)``, which NCCL runs as a plain copy."""
     scale = 1.0 if factor is None else 1.0 / factor
     torch.manual_seed(0)
     ref, ours = Deep().cuda(), Deep().cuda()
@@ -157,31 +163,65 @@ def test_in_collective_division_on_nccl(nccl_world: None, factor: float | None) 
     assert torch.allclose(got[: want.numel()], want, atol=1e-6)
 
 
+FSDP1_WARNS = ("FSDP is switching to use `NO_SHARD`", "The AccumulateGrad node's stream does not match")
+"""What torch 2.11's FSDP1 warns on one GPU: it runs ``NO_SHARD`` at world size 1, and its
+gradients are accumulated on another stream than autograd produced them on."""
+
+
 def test_peak_memory_does_not_exceed_fsdp1(nccl_world: None) -> None:
-    """max_memory_allocated over three training steps: ours (gradients released as soon as
-    reduced, one torch.split per unit) against PyTorch's FSDP1 on the same model."""
+    """max_memory_allocated over three training steps, above what was allocated before the model
+    was built: ours (gradients released as soon as reduced, one torch.split per unit) against
+    PyTorch's FSDP1 on the same model (whose own warnings, ``FSDP1_WARNS``, are silenced while
+    it runs). FSDP1 runs ``NO_SHARD`` at world size 1, so ours does here too.
+
+    Measured above a baseline, after the cuBLAS workspaces exist (a first multiplication forward
+    and backward makes them), because on an H200 with torch 2.11 FSDP1's model stayed allocated
+    (128 MiB, its flat parameters) after it went out of scope and after ``gc.collect()``: from
+    the process's zero, ours measured 1.38x FSDP1 with that in it, and FSDP1 would be charged
+    the 65 MiB of workspaces that ours then found made."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    def peak(wrap: Callable[[nn.Module], nn.Module]) -> int:
+    x = torch.randn(4, 4, device="cuda")
+    torch.autograd.backward(torch.addmm(x[0], x, x.clone().requires_grad_()).sum())
+
+    def peak(wrap: Callable[[nn.Module], nn.Module], quiet: tuple[str, ...] = ()) -> tuple[int, int]:
+        """The peak above the baseline, and the baseline."""
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.manual_seed(0)
-        model = wrap(Deep(width=2048, depth=8).cuda())
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        torch.cuda.reset_peak_memory_stats()
-        for _step in range(3):
-            model(torch.randn(256, 2048, device="cuda")).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
+        base = torch.cuda.memory_allocated()
+        with warnings.catch_warnings():
+            for message in quiet:
+                warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
+            model = wrap(Deep(width=2048, depth=8).cuda())
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            torch.cuda.reset_peak_memory_stats()
+            for _step in range(3):
+                model(torch.randn(256, 2048, device="cuda")).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, base
 
-    theirs = peak(
-        lambda m: TorchFSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cuda", 0))
+    theirs, their_base = peak(
+        lambda m: TorchFSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cuda", 0)),
+        FSDP1_WARNS,
     )
-    ours = peak(lambda m: FSDP(m, auto_wrap_policy={nn.Linear}, device_id=torch.device("cuda", 0)))
-    print(f"max_memory_allocated: ours {ours / 2**20:.1f} MiB, FSDP1 {theirs / 2**20:.1f} MiB ({ours / theirs:.3f}x)")
+    ours, our_base = peak(
+        lambda m: FSDP(
+            m,
+            sharding_strategy=ShardingStrategy.NO_SHARD,
+            auto_wrap_policy={nn.Linear},
+            device_id=torch.device("cuda", 0),
+        )
+    )
+    print(
+        f"max_memory_allocated above the baseline: ours {ours / 2**20:.1f} MiB, FSDP1 {theirs / 2**20:.1f} MiB "
+        f"({ours / theirs:.3f}x); baselines {their_base / 2**20:.1f} MiB before FSDP1, "
+        f"{our_base / 2**20:.1f} before ours"
+    )
     assert ours <= theirs * 1.02, f"ours {ours / 2**20:.1f} MiB vs FSDP1 {theirs / 2**20:.1f} MiB"
 
 
@@ -189,7 +229,10 @@ def test_predicted_memory_is_what_cuda_allocates(nccl_world: None) -> None:
     """``predict_memory`` for the accelerator (``backend="nccl"``: device streams, the caching
     allocator's 512-byte blocks, ``foreach`` SGD), from the model on the meta device, against
     ``max_memory_allocated`` over three steps. The reserved peak is printed beside it: the
-    prediction counts allocated bytes, not the allocator's cache or fragmentation."""
+    prediction counts allocated bytes, not the allocator's cache or fragmentation. Without the
+    cuBLAS workspaces (``Category.WORKSPACE``) it was 0.819x on an H200: exact in every phase
+    but for those 65 MiB."""
+    from fsdp_core.memory import Category
     from fsdp_shell.predict import predict_memory
 
     def step(model: nn.Module) -> torch.Tensor:
@@ -198,9 +241,11 @@ def test_predicted_memory_is_what_cuda_allocates(nccl_world: None) -> None:
 
     with torch.device("meta"):
         meta = Deep(width=2048, depth=8)
-    predicted = predict_memory(
+    prediction = predict_memory(
         meta, step, world_size=1, auto_wrap_policy={nn.Linear}, optimizer="sgd", backend="nccl"
-    ).worst.peak.bytes
+    ).worst
+    predicted, workspace = prediction.peak.bytes, prediction.after_step[Category.WORKSPACE]
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     model = FSDP(Deep(width=2048, depth=8).cuda(), auto_wrap_policy={nn.Linear}, device_id=torch.device("cuda", 0))
@@ -214,6 +259,7 @@ def test_predicted_memory_is_what_cuda_allocates(nccl_world: None) -> None:
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     print(
         f"predicted peak {predicted / 2**20:.1f} MiB, max_memory_allocated {allocated / 2**20:.1f} MiB "
-        f"({predicted / allocated:.3f}x), max_memory_reserved {reserved / 2**20:.1f} MiB"
+        f"({predicted / allocated:.4f}x; {workspace / 2**20:.1f} MiB of it cuBLAS workspaces), "
+        f"max_memory_reserved {reserved / 2**20:.1f} MiB"
     )
-    assert abs(predicted / allocated - 1) <= 0.05
+    assert abs(predicted / allocated - 1) <= 0.03

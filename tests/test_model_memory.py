@@ -26,6 +26,8 @@ from fsdp_core.memory import (
     Phase,
     TracePoint,
     UnitSpec,
+    Workspaces,
+    cuda_workspaces,
     for_rank,
     model_memory,
     optimized_tensors,
@@ -113,6 +115,46 @@ def test_adamw_adds_its_state_everywhere_and_its_temporaries_in_the_step() -> No
     assert [p.bytes for p in m.peaks] == [1080 + 520, 1220 + 520, 520 + 520 + 400]
     assert m.phase_peak(Phase.OPTIMIZER).breakdown[Category.OPTIMIZER_STEP] == 400
     assert sum(m.after_step.values()) == 260 + 520
+
+
+def test_the_math_libraries_workspace_is_in_every_phase() -> None:
+    """``workspace`` bytes (cuBLAS's, once a step has run) add to every phase and to what stays."""
+    m = model_memory(_request(OptimizerKind.SGD, workspace=1000))
+    assert [p.bytes for p in m.peaks] == [1080 + 1000, 1220 + 1000, 520 + 1000]
+    assert all(p.breakdown[Category.WORKSPACE] == 1000 for p in m.peaks)
+    assert sum(m.after_step.values()) == 260 + 1000
+    with pytest.raises(ValueError, match="workspace: expected an int >= 0"):
+        _request(OptimizerKind.SGD, workspace=-1)
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("capability", "env", "cublas", "cublaslt"),
+    [
+        ((9, 0), {}, 32 * MIB, MIB),  # H100, H200: what an H200 with torch 2.11 allocated
+        ((8, 0), {}, 8 * MIB + 128 * 1024, MIB),  # A100: 4096 KiB x 2 + 16 KiB x 8
+        ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 32 * MIB, MIB),
+        ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "0"}, 128 * 1024, 0),
+        ((8, 6), {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}, 8 * MIB + 128 * 1024, MIB),
+    ],
+)
+def test_cuda_workspaces_are_torchs_defaults_or_the_environments(
+    capability: tuple[int, int], env: dict[str, str], cublas: int, cublaslt: int
+) -> None:
+    got = cuda_workspaces(capability, env)
+    assert got == Workspaces(cublas=cublas, cublaslt=cublaslt)
+    assert got.bytes == 2 * cublas + cublaslt
+
+
+def test_malformed_workspace_variables_are_named() -> None:
+    with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG"):
+        cuda_workspaces((9, 0), {"CUBLAS_WORKSPACE_CONFIG": "4096"})
+    with pytest.raises(ValueError, match="CUBLASLT_WORKSPACE_SIZE"):
+        cuda_workspaces((9, 0), {"CUBLASLT_WORKSPACE_SIZE": "1 MiB"})
+    with pytest.raises(ValueError, match="threads"):
+        Workspaces(cublas=1, cublaslt=1, threads=-1)
 
 
 def test_ranks_differ_by_their_padding() -> None:

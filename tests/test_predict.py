@@ -102,6 +102,20 @@ def test_every_rank_is_predicted_and_named_by_phase() -> None:
     assert memory.after_step[Category.BUFFERS] == 2 * 512, "two 64 B buffers in 512-byte blocks"
 
 
+def test_the_accelerator_prediction_holds_cublas_workspaces() -> None:
+    """``nccl``: every phase holds what cuBLAS keeps (65 MiB on an H100/H200 by torch's defaults,
+    the rule of ``cuda_workspaces``); ``workspace=`` replaces it; gloo has none."""
+    with torch.device("meta"):
+        model = net()
+    default = predict_memory(model, step, world_size=2, auto_wrap_policy={Layer}, backend="nccl").worst
+    given = predict_memory(model, step, world_size=2, auto_wrap_policy={Layer}, backend="nccl", workspace=0).worst
+    expected = 2 * 32 * 2**20 + 2**20 if not torch.cuda.is_available() else default.after_step[Category.WORKSPACE]
+    assert all(p.breakdown[Category.WORKSPACE] == expected for p in default.peaks)
+    assert [p.bytes - q.bytes for p, q in zip(default.peaks, given.peaks)] == [expected] * len(default.peaks)
+    gloo = predict_memory(model, step, world_size=2, auto_wrap_policy={Layer}, backend="gloo").worst
+    assert gloo.after_step[Category.WORKSPACE] == 0
+
+
 def test_bad_arguments_are_named() -> None:
     with torch.device("meta"):
         model = net()
@@ -113,6 +127,8 @@ def test_bad_arguments_are_named() -> None:
         predict_memory(model, step, world_size=2, optimizer="lion")
     with pytest.raises(ValueError, match="shard_size"):
         predict_memory(model, step, world_size=4, shard_size=3, sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(ValueError, match="workspace"):
+        predict_memory(model, step, world_size=2, workspace=-1)
 
 
 # -- models by name ------------------------------------------------------------------------------

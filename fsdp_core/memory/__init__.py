@@ -1,9 +1,9 @@
 """Memory, predicted from the plans and the all-gather schedule: what one post-backward plan
 holds op by op (``plan_memory``) and the hooks of a backward in order (``backward_memory``);
 what the all-gathers hold hook by hook (``unshard_footprints``); what torch's optimizers hold
-(``optimizer``); and a whole model's bytes per rank by phase and category (``model_memory``),
-from all of them and autograd's side of a step (``ActivationTrace``). Sizes are as an
-``Allocator`` counts them."""
+(``optimizer``); the math libraries' workspaces on a GPU (``workspace``); and a whole model's
+bytes per rank by phase and category (``model_memory``), from all of them and autograd's side of
+a step (``ActivationTrace``). Sizes are as an ``Allocator`` counts them."""
 
 from fsdp_core.memory.allocator import CUDA_CACHING, EXACT, Allocator
 from fsdp_core.memory.model_memory import (
@@ -47,6 +47,7 @@ from fsdp_core.memory.unshard_memory import (
     gather_bytes,
     unshard_footprints,
 )
+from fsdp_core.memory.workspace import Workspaces, cuda_workspaces
 
 __all__ = [
     "CUDA_CACHING",
@@ -74,8 +75,10 @@ __all__ = [
     "TracePoint",
     "UnitSpec",
     "UnshardFootprint",
+    "Workspaces",
     "backward_footprints",
     "backward_memory",
+    "cuda_workspaces",
     "for_rank",
     "gather_bytes",
     "model_memory",

@@ -8,7 +8,8 @@ Two sides make up what a rank holds while it trains:
   the plans of each backward in the order their hooks fire, with the flags the carried gradients
   imply); the gradients carried between backwards (the ``no_sync`` accumulation, the reduced
   shards until ``zero_grad``); the optimizer's state and a step's temporaries
-  (``fsdp_core.memory.optimizer``); the module's buffers.
+  (``fsdp_core.memory.optimizer``); the module's buffers; on an accelerator, the math
+  libraries' workspaces (``fsdp_core.memory.workspace``).
 - **autograd's side**, the one input the plans cannot give: everything the model's own ops
   hold (inputs, activations saved for backward, the gradients flowing back, each unit's new
   unsharded gradient until its post-backward hook takes it), as an ``ActivationTrace``: the
@@ -105,6 +106,9 @@ class Category(enum.Enum):
     unsharded gradient until its hook takes it."""
     BUFFERS = "buffers"
     """The module's buffers and anything else FSDP leaves alone."""
+    WORKSPACE = "workspace"
+    """What the accelerator's math libraries keep once a step has run (cuBLAS's workspaces:
+    ``fsdp_core.memory.workspace``); none on the CPU."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -310,6 +314,8 @@ class ModelMemoryRequest:
     allocator: Allocator = EXACT
     buffers: int = 0
     """Device bytes of the module's buffers and of what FSDP leaves alone."""
+    workspace: int = 0
+    """Device bytes the math libraries keep (``Workspaces.bytes``), counted in every phase."""
 
     def __post_init__(self) -> None:
         specs = [u for u in self.units if u is not None]
@@ -322,6 +328,8 @@ class ModelMemoryRequest:
             raise ValueError("units: every unit needs the same sharding and rank")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate: expected an int >= 1, got {self.accumulate!r}")
+        if not isinstance(self.workspace, int) or isinstance(self.workspace, bool) or self.workspace < 0:
+            raise ValueError(f"workspace: expected an int >= 0 (bytes), got {self.workspace!r}")
         for unit in (*self.trace.forward_order, *self.trace.backward_order):
             if not 0 <= unit < len(self.units):
                 raise ValueError(f"trace: unit {unit} is not one of the {len(self.units)} units")
@@ -453,6 +461,7 @@ class _StepWalk:
                 if on_device or not u.request.offload.offload_params
             ),
             Category.BUFFERS: r.buffers,
+            Category.WORKSPACE: r.workspace,
         }
         optimized = optimized_tensors(r.units, r.optimizer_order)
         optimizer_on_device = on_device or not any(u.request.offload.offload_params for u in specs)

@@ -6,11 +6,13 @@ no process group), one step is recorded under ``FakeTensorMode`` (``record_trace
 ``fsdp_core.memory.model_memory`` derives every rank's bytes by phase from the units' plans,
 the all-gather schedule and the trace. ``backend="gloo"`` predicts the CPU runtime (exact
 bytes, the lane's deferred frees, the optimizer's CPU defaults), ``"nccl"`` an accelerator's
-(device streams, CUDA's 512-byte blocks, offloaded states on the host, ``foreach`` steps).
+(device streams, CUDA's 512-byte blocks, offloaded states on the host, ``foreach`` steps, the
+cuBLAS workspaces).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ from fsdp_core.memory.model_memory import (
     model_memory,
 )
 from fsdp_core.memory.optimizer import OptimizerKind, OptimizerSpec
+from fsdp_core.memory.workspace import cuda_workspaces
 from fsdp_core.sim import CostModel, IterationTimeline, flops_compute_ms, model_of_units, simulate_iteration
 from fsdp_shell.options import Options, parse_options
 from fsdp_shell.predict.trace import StepFn, TraceUnit, record_trace
@@ -83,14 +86,20 @@ def predict_memory(
     optimizer: OptimizerKind | str = OptimizerKind.ADAMW,
     accumulate: int = 1,
     backend: str = "nccl",
+    workspace: int | None = None,
 ) -> Prediction:
     """Every shard rank's bytes by phase for training ``module`` with these arguments (FSDP's
     constructor's, meaning the same) on ``world_size`` ranks, no process group made: each step
     ``accumulate`` forward-backwards (``step`` makes the inputs and returns the loss; all but
-    the last inside ``no_sync()``), ``optimizer.step()`` and ``zero_grad()``. ``ValueError`` /
-    ``TypeError`` naming a bad argument."""
+    the last inside ``no_sync()``), ``optimizer.step()`` and ``zero_grad()``. ``workspace``: the
+    bytes the GPU's math libraries keep (``Category.WORKSPACE``); None: torch's defaults
+    (``cuda_workspaces``) for this machine's GPU, or for an H100/H200 where there is none, under
+    this environment; none with ``backend="gloo"``. ``ValueError`` / ``TypeError`` naming a bad
+    argument."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if workspace is not None and (not isinstance(workspace, int) or isinstance(workspace, bool) or workspace < 0):
+        raise ValueError(f"workspace: expected None or an int >= 0 (bytes), got {workspace!r}")
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise ValueError(f"accumulate: expected an int >= 1, got {accumulate!r}")
     kind = optimizer if isinstance(optimizer, OptimizerKind) else OptimizerKind.parse(str(optimizer))
@@ -109,6 +118,8 @@ def predict_memory(
     division = Division(policy=options.division_policy, backend=BackendCaps.for_backend(backend))
     gloo = backend == "gloo"
     allocator: Allocator = EXACT if gloo else CUDA_CACHING
+    if workspace is None:
+        workspace = 0 if gloo else cuda_workspaces(_capability(), os.environ).bytes
 
     names = param_names(module)
     sites = find_units(module, options.wrap, lambda m: False)
@@ -142,6 +153,7 @@ def predict_memory(
                 executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
                 allocator=allocator,
                 buffers=buffers,
+                workspace=workspace,
             )
         )
         for rank in range(sharding.num_shards)
@@ -157,6 +169,13 @@ def predict_memory(
         optimizer=spec,
         accumulate=accumulate,
     )
+
+
+def _capability() -> tuple[int, int]:
+    """This machine's first GPU's compute capability, or an H100/H200's without one."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability(0)
+    return (9, 0)
 
 
 def _unit(

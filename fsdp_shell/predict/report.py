@@ -33,6 +33,7 @@ _COLUMNS: tuple[tuple[Category, str, str], ...] = (
     (Category.OPTIMIZER_STEP, "optimizer", "step"),
     (Category.AUTOGRAD, "autograd", ""),
     (Category.BUFFERS, "buffers", ""),
+    (Category.WORKSPACE, "workspace", ""),
 )
 
 
