@@ -172,9 +172,11 @@ def predict_memory(
 
 
 def _capability() -> tuple[int, int]:
-    """This machine's first GPU's compute capability, or an H100/H200's without one."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_capability(0)
+    """This machine's first CUDA GPU's compute capability, or an H100/H200's without one."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None and accelerator.type == "cuda":
+        major, minor = torch.get_device_module(accelerator).get_device_capability(0)
+        return int(major), int(minor)
     return (9, 0)
 
 
