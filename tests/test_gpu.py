@@ -163,6 +163,18 @@ def test_in_collective_division_on_nccl(nccl_world: None, factor: float | None) 
     assert torch.allclose(got[: want.numel()], want, atol=1e-6)
 
 
+def _sgd_peak(model: nn.Module) -> int:
+    """``max_memory_allocated`` over three SGD steps of ``model`` on 256 x 2048 inputs."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    torch.cuda.reset_peak_memory_stats()
+    for _step in range(3):
+        model(torch.randn(256, 2048, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
 FSDP1_WARNS = ("FSDP is switching to use `NO_SHARD`", "The AccumulateGrad node's stream does not match")
 """What torch 2.11's FSDP1 warns on one GPU: it runs ``NO_SHARD`` at world size 1, and its
 gradients are accumulated on another stream than autograd produced them on."""
@@ -195,15 +207,8 @@ def test_peak_memory_does_not_exceed_fsdp1(nccl_world: None) -> None:
         with warnings.catch_warnings():
             for message in quiet:
                 warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
-            model = wrap(Deep(width=2048, depth=8).cuda())
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            torch.cuda.reset_peak_memory_stats()
-            for _step in range(3):
-                model(torch.randn(256, 2048, device="cuda")).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base, base
+            allocated = _sgd_peak(wrap(Deep(width=2048, depth=8).cuda()))
+        return allocated - base, base
 
     theirs, their_base = peak(
         lambda m: TorchFSDP(m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cuda", 0)),
@@ -248,15 +253,10 @@ def test_predicted_memory_is_what_cuda_allocates(nccl_world: None) -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    model = FSDP(Deep(width=2048, depth=8).cuda(), auto_wrap_policy={nn.Linear}, device_id=torch.device("cuda", 0))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    torch.cuda.reset_peak_memory_stats()
-    for _step in range(3):
-        model(torch.randn(256, 2048, device="cuda")).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.synchronize()
-    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    allocated = _sgd_peak(
+        FSDP(Deep(width=2048, depth=8).cuda(), auto_wrap_policy={nn.Linear}, device_id=torch.device("cuda", 0))
+    )
+    reserved = torch.cuda.max_memory_reserved()
     print(
         f"predicted peak {predicted / 2**20:.1f} MiB, max_memory_allocated {allocated / 2**20:.1f} MiB "
         f"({predicted / allocated:.4f}x; {workspace / 2**20:.1f} MiB of it cuBLAS workspaces), "
