@@ -38,8 +38,9 @@ fitted (least squares, >= 0) on the other configurations' rows, never on the row
 
 Measured: the median over ``--steps`` steps (after warm-up) of each rank's forward + backward
 (the synchronising one, after ``no_sync()`` ones when the configuration accumulates) and
-optimizer time, the worst rank. Each rank runs on one core of its own (``pin``; ``--no-pin``
-leaves its threads to the scheduler), while timing the inputs as while training. Printed per
+optimizer time, the worst rank. Each rank's host thread runs on one core of its own (``pin``;
+``--pin all`` puts all of the rank's threads there, ``--pin none`` leaves them to the
+scheduler), while timing the inputs as while training. Printed per
 world as it runs: the simulated and measured ms, and where the time goes (the host thread's time
 blocked in collectives' ``wait`` against the simulated iteration's time not computing, the rest
 against the simulated compute and host work; where the rank's core went, ``Core``); at the end,
@@ -56,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import enum
 import itertools
 import math
 import os
@@ -353,16 +355,40 @@ def core_use(before: dict[int, tuple[str, float]], wall_ms: float, steps: int) -
     return Core(wall_ms / steps, host / steps, gloo / steps, other / steps)
 
 
-def pin(rank: int) -> None:
-    """Run this rank's threads on one core only, ``rank`` modulo the cores (as a rank owns its
-    GPU): left to the scheduler, two ranks' threads migrate between the cores and one
-    configuration's median step differed up to 1.8x between worlds started one after the other;
-    pinned, 1.25x."""
+class Pinning(enum.Enum):
+    """Which of a rank's threads ``pin`` keeps on the rank's core."""
+
+    NONE = "none"
+    """None: the scheduler places every thread. One configuration's median step then differed up
+    to 1.8x between worlds started one after the other (runs 1-2 of the user guide's table)."""
+    HOST = "host"
+    """The host thread, and the threads it starts later (the gloo threads of the process groups
+    FSDP creates, the CPU runtime's lane). The default process group's gloo threads (its TCP
+    loop and two run loops), started before the job, stay free to run on any core: the
+    benchmark's runs 2-12."""
+    ALL = "all"
+    """Every thread of the rank, those of the default process group too: a rank's collectives
+    then run on its own core only. Measured in run 13: the measured step more repeatable (a
+    configuration's worlds differed up to 1.39x, against 1.43-1.65x with ``HOST``), the
+    simulated one less (the slowdown of a collective beside compute on the same core, timed
+    apart, varied 1.2-4x between worlds of one configuration)."""
+
+
+def pin(rank: int, pinning: Pinning) -> None:
+    """Keep ``pinning``'s threads of this rank on one core, ``rank`` modulo the cores (as a rank
+    owns its GPU). An affinity set with ``pid`` 0 is the calling thread's alone, and threads
+    started later inherit it; the threads already running are pinned one by one (``ALL``)."""
+    if pinning is Pinning.NONE:
+        return
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    core = {cores[rank % len(cores)]}
+    threads = os.listdir("/proc/self/task") if pinning is Pinning.ALL else ["0"]
+    for tid in threads:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), core)
 
 
-def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool]) -> Measured:
+def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, Pinning]) -> Measured:
     """The inputs and the training they predict, timed in turns (``ROUNDS`` rounds, after
     ``warmup`` training steps): each round times the compute and the optimizer step without FSDP
     (every rank at once, as they train), each collective alone and beside compute (``_beside``),
@@ -370,10 +396,9 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, bool
     training step the median of all timed steps. This machine has slow phases: an all-reduce of
     16 KB took a median 3 ms over 20 calls, then 0.5 ms in the next 20, on both ranks; timed in
     turns, such a phase falls on the inputs and on the steps alike, not on one of them only.
-    Everything on one core per rank if ``pinned`` (``pin``)."""
-    cfg, wanted, steps, warmup, pinned = job
-    if pinned:
-        pin(rank)
+    The rank's threads kept on its core as ``pinning`` says (``pin``)."""
+    cfg, wanted, steps, warmup, pinning = job
+    pin(rank, pinning)
     p = predict(cfg)
     dist.barrier()
     model = _wrap("ours", cfg)
@@ -623,20 +648,21 @@ class InStep:
         return min(candidates, key=lambda c: sum((row.measured - row.simulated - c.of(row)) ** 2 for row in rows))
 
 
-def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinned: bool = True) -> list[Row]:
+def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinning: Pinning = Pinning.HOST) -> list[Row]:
     """Per world started (``repeat`` of them), ``cfg`` measured and simulated (ms per step),
-    FSDP's host work calibrated once, on a world of one; each rank on one core if ``pinned``."""
+    FSDP's host work calibrated once, on a world of one; each rank's threads pinned as ``pinning``
+    says."""
     p = predict(cfg)
     solo_cfg = dataclasses.replace(cfg, ranks=1)
     solo = predict(solo_cfg)
     wanted, solo_wanted = sizes(p), sizes(solo)
-    (alone,) = run_world(1, measure, (solo_cfg, solo_wanted, steps, warmup, pinned), timeout=900)
+    (alone,) = run_world(1, measure, (solo_cfg, solo_wanted, steps, warmup, pinning), timeout=900)
     bare = simulate(solo, alone.compute, fit_table(samples(solo_wanted, [alone])), 1).iteration_ms
     host = max(0.0, alone.forward_backward_ms - bare)
     share = host / sum(u is not None for u in p.units) / 2
     rows = []
     for _ in range(repeat):
-        ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup, pinned), timeout=900)
+        ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup, pinning), timeout=900)
         compute = _worst(ranks)
         with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
         links = sharing_one_core(wanted, ranks)
@@ -681,14 +707,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=1, help="worlds started per configuration")
-    parser.add_argument("--no-pin", action="store_true", help="leave the ranks' threads to the scheduler")
+    parser.add_argument(
+        "--pin",
+        choices=[p.value for p in Pinning],
+        default=Pinning.HOST.value,
+        help="which of a rank's threads stay on its core (Pinning)",
+    )
     args = parser.parse_args()
     names = [n for n in args.configs.split(",") if n]
     if len(names) < 3:
         parser.error("--configs: give at least 3 (each is predicted from the others' in-step costs)")
-    rows = [
-        row for name in names for row in run(name, CONFIGS[name], args.steps, args.warmup, args.repeat, not args.no_pin)
-    ]
+    pinning = Pinning(args.pin)
+    rows = [row for name in names for row in run(name, CONFIGS[name], args.steps, args.warmup, args.repeat, pinning)]
     print("\npredicted = simulated + in-step costs fitted on the other configurations:")
     ratios, bare, means = [], [], []
     for name in names:
