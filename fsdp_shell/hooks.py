@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, assert_never
 
@@ -52,12 +53,25 @@ __all__ = [
 
 def install(tree: Tree) -> None:
     """Hook every trainable unit's flat parameter: ``post_backward`` runs once autograd has
-    accumulated its gradient."""
+    accumulated its gradient.
+
+    The hook holds the tree weakly. A flat parameter is also held from C++ (as the autograd base
+    of its views), where the garbage collector cannot see, so a strong reference from its hook
+    back to the tree, which holds the parameter, would be a cycle never collected: a deleted
+    model's parameters would stay allocated (as FSDP1's do). Without the tree, no backward of
+    its model can run, and the hook has nothing to do."""
+    tree_ref = weakref.ref(tree)
     for unit, h in enumerate(tree.handles):
         if h is not None and h.flat_param.requires_grad:
             h.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
-                functools.partial(post_backward, tree, unit)
+                functools.partial(_post_backward_of, tree_ref, unit)
             )
+
+
+def _post_backward_of(tree_ref: weakref.ref[Tree], unit: int, flat_param: torch.Tensor) -> None:
+    tree = tree_ref()
+    if tree is not None:
+        post_backward(tree, unit, flat_param)
 
 
 # -- forward ------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -153,23 +154,28 @@ def _slowed(rank: int) -> Iterator[None]:
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = saved
 
 
-def _train(rank: int, world: int, case: MemoryCase) -> Measured:
+def _fsdp(case: MemoryCase, world: int) -> FSDP:
+    """``case``'s model, wrapped (a hybrid strategy: two replicas of ``world // 2`` ranks)."""
     hybrid = case.strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hybrid else None
     precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
+    net, block = _model(case)
+    return FSDP(
+        net,
+        auto_wrap_policy={block},
+        sharding_strategy=case.strategy,
+        mixed_precision=precision,
+        use_orig_params=case.use_orig_params,
+        device_mesh=mesh,
+        cpu_offload=CPUOffload(offload_params=case.offload),
+        hybrid_all_reduce=case.hybrid_all_reduce,
+    )
+
+
+def _train(rank: int, world: int, case: MemoryCase) -> Measured:
     gc.collect()
     with LiveBytes() as live:
-        net, block = _model(case)
-        model = FSDP(
-            net,
-            auto_wrap_policy={block},
-            sharding_strategy=case.strategy,
-            mixed_precision=precision,
-            use_orig_params=case.use_orig_params,
-            device_mesh=mesh,
-            cpu_offload=CPUOffload(offload_params=case.offload),
-            hybrid_all_reduce=case.hybrid_all_reduce,
-        )
+        model = _fsdp(case, world)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         runtime = model._tree.runtime
         assert isinstance(runtime, CpuRuntime)
@@ -210,15 +216,7 @@ def timing_independent(rank: int, world: int, case: MemoryCase) -> tuple[Measure
 def tensors_in_cycles(rank: int, world: int, case: MemoryCase) -> list[str]:
     """Tensors that a training step leaves unreachable except through reference cycles (freed
     only by the garbage collector), described: none expected."""
-    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.bf16 else None
-    net, block = _model(case)
-    model = FSDP(
-        net,
-        auto_wrap_policy={block},
-        sharding_strategy=case.strategy,
-        mixed_precision=precision,
-        use_orig_params=case.use_orig_params,
-    )
+    model = _fsdp(case, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     found: list[str] = []
     gc.collect()
@@ -237,3 +235,22 @@ def tensors_in_cycles(rank: int, world: int, case: MemoryCase) -> list[str]:
         gc.set_debug(0)
         gc.enable()
     return found
+
+
+def outliving_their_model(rank: int, world: int, case: MemoryCase) -> tuple[list[str], list[str]]:
+    """What of a model is still alive once it and its optimizer are deleted after ``STEPS``
+    steps (its flat parameters, its modules' parameters, the wrapper, the wrapped module):
+    without a garbage collection, and after one. Nothing is expected after one."""
+    model = _fsdp(case, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _steps(model, opt, LiveBytes(), case, rank)
+    held: list[tuple[str, weakref.ref[object]]] = [
+        ("the wrapper", weakref.ref(model)),
+        ("the wrapped module", weakref.ref(model.module)),
+    ]
+    held += [(f"flat parameter {i}", weakref.ref(h.flat_param)) for i, h in enumerate(model._flat_handles())]
+    held += [(name, weakref.ref(p)) for name, p in model.named_parameters()]
+    del model, opt
+    without_gc = [name for name, ref in held if ref() is not None]
+    gc.collect()
+    return without_gc, [name for name, ref in held if ref() is not None]

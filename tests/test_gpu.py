@@ -190,7 +190,10 @@ def test_peak_memory_does_not_exceed_fsdp1(nccl_world: None) -> None:
     and backward makes them), because on an H200 with torch 2.11 FSDP1's model stayed allocated
     (128 MiB, its flat parameters) after it went out of scope and after ``gc.collect()``: from
     the process's zero, ours measured 1.38x FSDP1 with that in it, and FSDP1 would be charged
-    the 65 MiB of workspaces that ours then found made."""
+    the 65 MiB of workspaces that ours then found made. On CPU (torch 2.13) FSDP1's flat
+    parameters are then reachable only from closures of its hooks: a cycle through C++, which
+    ``gc`` cannot see. Ours had one too, until its hook held the wrapper's state weakly
+    (``tests/test_memory_gloo.py::test_a_deleted_model_frees_its_parameters``)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 

@@ -15,7 +15,8 @@ most). Then:
 
 Besides: a training step leaves no tensor in a reference cycle (nothing only the garbage
 collector frees), bf16 and fp32, flat and ``use_orig_params``, on the MLP and a Hugging Face
-GPT-2; and live bytes per rank, by phase, are at most FSDP1's in the same world.
+GPT-2; a deleted model's parameters are freed at once (no cycle through its hooks); and live
+bytes per rank, by phase, are at most FSDP1's in the same world.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 from benchmarks.bench_memory import CONFIGS, measure
 from fsdp_core import PLANS_IN_FLIGHT, ShardingStrategy
 from tests.dist_harness import run_world
-from tests.memory_cases import MemoryCase, tensors_in_cycles, timing_independent
+from tests.memory_cases import MemoryCase, outliving_their_model, tensors_in_cycles, timing_independent
 
 CASES = {
     "full": (2, MemoryCase(ShardingStrategy.FULL_SHARD)),
@@ -75,6 +76,37 @@ def _cycles(rank: int, world: int, cases: tuple[MemoryCase, ...]) -> list[list[s
 def test_a_step_leaves_no_tensor_in_a_reference_cycle() -> None:
     for rank, found in enumerate(run_world(2, _cycles, CYCLE_CASES, timeout=300)):
         assert found == [[]] * len(CYCLE_CASES), f"rank {rank}"
+
+
+OUTLIVING_CASES = {
+    2: (
+        MemoryCase(ShardingStrategy.FULL_SHARD, bf16=True),
+        MemoryCase(ShardingStrategy.FULL_SHARD, use_orig_params=True, model="gpt2"),
+        MemoryCase(ShardingStrategy.SHARD_GRAD_OP, bf16=True, accumulate=2),
+        MemoryCase(ShardingStrategy.NO_SHARD),
+    ),
+    4: (
+        MemoryCase(ShardingStrategy.HYBRID_SHARD, offload=True),
+        MemoryCase(ShardingStrategy.HYBRID_SHARD_ZERO2, use_orig_params=True),
+    ),
+}
+
+
+def _outliving(rank: int, world: int, cases: tuple[MemoryCase, ...]) -> list[tuple[list[str], list[str]]]:
+    return [outliving_their_model(rank, world, case) for case in cases]
+
+
+@pytest.mark.parametrize("world", list(OUTLIVING_CASES))
+def test_a_deleted_model_frees_its_parameters(world: int) -> None:
+    """Deleting a trained model and its optimizer frees its parameters at once, without the
+    garbage collector. (The flat parameter's post-backward hook once held the wrapper's state
+    strongly: a cycle through C++, where the collector cannot see, so nothing was ever freed;
+    FSDP1's models still outlive their deletion that way.)"""
+    cases = OUTLIVING_CASES[world]
+    for rank, found in enumerate(run_world(world, _outliving, cases, timeout=300)):
+        for case, (without_gc, after_gc) in zip(cases, found):
+            assert after_gc == [], f"rank {rank}, {case}: alive after gc.collect()"
+            assert without_gc == [], f"rank {rank}, {case}: freed only by the garbage collector"
 
 
 @pytest.mark.parametrize(
