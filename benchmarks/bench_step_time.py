@@ -371,7 +371,8 @@ class Pinning(enum.Enum):
     then run on its own core only. Measured in run 13: the measured step more repeatable (a
     configuration's worlds differed up to 1.39x, against 1.43-1.65x with ``HOST``), the
     simulated one less (the slowdown of a collective beside compute on the same core, timed
-    apart, varied 1.2-4x between worlds of one configuration)."""
+    apart, varied between worlds of one configuration: an all-gather's 1.15x, 2.51x and 4.03x
+    in ``mlp-full_shard-bf16``'s)."""
 
 
 def pin(rank: int, pinning: Pinning) -> None:
@@ -382,10 +383,11 @@ def pin(rank: int, pinning: Pinning) -> None:
         return
     cores = sorted(os.sched_getaffinity(0))
     core = {cores[rank % len(cores)]}
-    threads = os.listdir("/proc/self/task") if pinning is Pinning.ALL else ["0"]
-    for tid in threads:
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(tid), core)
+    os.sched_setaffinity(0, core)
+    if pinning is Pinning.ALL:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), core)
 
 
 def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, Pinning]) -> Measured:

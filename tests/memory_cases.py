@@ -240,7 +240,7 @@ def tensors_in_cycles(rank: int, world: int, case: MemoryCase) -> list[str]:
 def outliving_their_model(rank: int, world: int, case: MemoryCase) -> tuple[list[str], list[str]]:
     """What of a model is still alive once it and its optimizer are deleted after ``STEPS``
     steps (its flat parameters, its modules' parameters, the wrapper, the wrapped module):
-    without a garbage collection, and after one. Nothing is expected after one."""
+    without a garbage collection, and after one. Nothing is expected in either."""
     model = _fsdp(case, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _steps(model, opt, LiveBytes(), case, rank)
