@@ -98,8 +98,8 @@ def _outliving(rank: int, world: int, cases: tuple[MemoryCase, ...]) -> list[tup
 
 @pytest.mark.parametrize("world", list(OUTLIVING_CASES))
 def test_a_deleted_model_frees_its_parameters(world: int) -> None:
-    """Deleting a trained model and its optimizer frees its parameters at once, without the
-    garbage collector. (The flat parameter's post-backward hook once held the wrapper's state
+    """Deleting a trained model and its optimizer frees its parameters without the garbage
+    collector (``outliving_their_model``). (The flat parameter's post-backward hook once held the wrapper's state
     strongly: a cycle through C++, where the collector cannot see, so nothing was ever freed;
     FSDP1's models still outlive their deletion that way.)"""
     cases = OUTLIVING_CASES[world]
