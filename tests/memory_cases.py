@@ -243,10 +243,12 @@ def outliving_their_model(rank: int, world: int, case: MemoryCase) -> tuple[list
     steps (its flat parameters, its modules' parameters, the wrapper, the wrapped module):
     without a garbage collection, and after one. Nothing is expected in either.
 
-    Without: the collector off, for up to ``RELEASE_SECONDS``, since another thread may hold a
-    tensor for a moment (gloo's threads hold a collective's tensors briefly after its ``wait()``
-    returns; once in CI, a 4-rank hybrid world's last flat parameter outlived the deletion
-    by a moment): what only a reference cycle holds stays alive however long."""
+    Without: after a collection has freed what the steps left in cycles (``tensors_in_cycles``'
+    concern: under coverage.py, the CI's, a 4-rank hybrid world with offload left garbage that
+    held its last flat parameter), the collector off, for up to ``RELEASE_SECONDS``, since
+    another thread may hold a tensor for a moment (gloo's threads hold a collective's tensors
+    briefly after its ``wait()`` returns): what only a reference cycle through the model holds
+    stays alive however long."""
     model = _fsdp(case, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _steps(model, opt, LiveBytes(), case, rank)
@@ -256,6 +258,7 @@ def outliving_their_model(rank: int, world: int, case: MemoryCase) -> tuple[list
     ]
     held += [(f"flat parameter {i}", weakref.ref(h.flat_param)) for i, h in enumerate(model._flat_handles())]
     held += [(name, weakref.ref(p)) for name, p in model.named_parameters()]
+    gc.collect()
     gc.disable()
     try:
         del model, opt
