@@ -15,7 +15,7 @@ most). Then:
 
 Besides: a training step leaves no tensor in a reference cycle (nothing only the garbage
 collector frees), bf16 and fp32, flat and ``use_orig_params``, on the MLP and a Hugging Face
-GPT-2; a deleted model's parameters are freed at once (no cycle through its hooks); and live
+GPT-2; a deleted model's parameters are freed without the collector (no cycle through its hooks); and live
 bytes per rank, by phase, are at most FSDP1's in the same world.
 """
 
