@@ -29,7 +29,17 @@ on the configuration it predicts:
   one rank training the same model: what its measured iteration takes beyond its simulated one
   without host work, shared equally by the units, half in forward, half in backward;
 - **the optimizer step**: ``step()`` and ``zero_grad()`` on tensors of the shapes each rank's
-  optimizer steps (``optimized_tensors``), every rank at once.
+  optimizer steps (``optimized_tensors``), every rank at once;
+- **each collective's processor work**: the processor time gloo's threads spend on one call
+  (``Beside.processor_ms``, from ``/proc/self/task/*/schedstat``).
+
+Each world is simulated by two models of how a rank's collectives share its core, printed side
+by side and summarized apart. The first takes the slowdowns measured above
+(``sharing_one_core``). The second, the core's (``core_model``), slows nothing in the simulation
+and instead charges the core: the host work calibrated on one rank is stretched by the ranks
+``pin`` puts on one core (they take turns on it), and the collectives' processor work, of every
+rank on the core, is added where it falls beside compute
+(``IterationTimeline.work_beside_compute_ms``).
 
 What a collective costs *inside* a step beyond that (the host issuing it and handing it to
 gloo's threads, what the plan interpreter does around it) is not measured apart: it is the
@@ -84,6 +94,7 @@ from fsdp_core.sim import (
     Collective,
     CollectiveSample,
     CostModel,
+    Interval,
     IterationTimeline,
     Link,
     LinkModel,
@@ -209,6 +220,9 @@ class Beside:
     collective_loaded: float
     compute_alone: float
     compute_loaded: float
+    processor_ms: float
+    """The processor time gloo's threads spend on one call (``gloo_cpu_ms``), calls issued back
+    to back: the collective's work on the rank's core."""
 
     @staticmethod
     def each(of: Callable[[list[float]], float], column: Iterable[Beside]) -> Beside:
@@ -265,7 +279,15 @@ def _beside(issue: Callable[[], Pending], repeats: int, lead_in_ms: float, chunk
         return ms
 
     compute_loaded = statistics.median(_calls(compute_beside_in_flight, repeats))
-    return Beside(alone, after, collective_loaded, compute_alone, compute_loaded)
+
+    def processor() -> float:
+        before = gloo_cpu_ms()
+        for _ in range(repeats):
+            issue().wait()
+        return (gloo_cpu_ms() - before) / repeats
+
+    processor_ms = statistics.median(_calls(processor, 3))
+    return Beside(alone, after, collective_loaded, compute_alone, compute_loaded, processor_ms)
 
 
 @contextlib.contextmanager
@@ -341,6 +363,15 @@ def thread_cpu_ms() -> dict[int, tuple[str, float]]:
     return out
 
 
+def gloo_cpu_ms() -> float:
+    """The processor time this process's gloo threads (TCP loops, run loops) have run (ms)."""
+    return sum(ms for name, ms in thread_cpu_ms().values() if name.startswith(GLOO_THREADS))
+
+
+GLOO_THREADS = ("gloo", "pt_gloo")
+"""The names gloo's threads start with."""
+
+
 def core_use(before: dict[int, tuple[str, float]], wall_ms: float, steps: int) -> Core:
     """``Core`` of ``steps`` steps that took ``wall_ms`` since ``before`` (``thread_cpu_ms``)."""
     host, gloo, other = 0.0, 0.0, 0.0
@@ -348,7 +379,7 @@ def core_use(before: dict[int, tuple[str, float]], wall_ms: float, steps: int) -
         ran = ms - before.get(tid, (name, 0.0))[1]
         if tid == threading.main_thread().native_id:
             host += ran
-        elif name.startswith(("gloo", "pt_gloo")):
+        elif name.startswith(GLOO_THREADS):
             gloo += ran
         else:
             other += ran
@@ -375,19 +406,26 @@ class Pinning(enum.Enum):
     in ``mlp-full_shard-bf16``'s)."""
 
 
-def pin(rank: int, pinning: Pinning) -> None:
-    """Keep ``pinning``'s threads of this rank on one core, ``rank`` modulo the cores (as a rank
-    owns its GPU). An affinity set with ``pid`` 0 is the calling thread's alone, and threads
+def cores_of(rank: int, world: int, cores: list[int]) -> set[int]:
+    """The cores ``rank`` of ``world`` keeps its threads on (``pin``): as many of ``cores`` as
+    each rank can have to itself, else one, ``rank`` modulo the cores (as a rank owns its GPU)."""
+    share = len(cores) // world
+    return set(cores[rank * share : (rank + 1) * share]) if share else {cores[rank % len(cores)]}
+
+
+def pin(rank: int, world: int, pinning: Pinning) -> None:
+    """Keep ``pinning``'s threads of this rank on its cores (``cores_of``: one on this machine of
+    two cores; on one with at least two per rank, gloo's threads get a core besides the one
+    computing). An affinity set with ``pid`` 0 is the calling thread's alone, and threads
     started later inherit it; the threads already running are pinned one by one (``ALL``)."""
     if pinning is Pinning.NONE:
         return
-    cores = sorted(os.sched_getaffinity(0))
-    core = {cores[rank % len(cores)]}
-    os.sched_setaffinity(0, core)
+    mine = cores_of(rank, world, sorted(os.sched_getaffinity(0)))
+    os.sched_setaffinity(0, mine)
     if pinning is Pinning.ALL:
         for tid in os.listdir("/proc/self/task"):
             with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(int(tid), core)
+                os.sched_setaffinity(int(tid), mine)
 
 
 def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, Pinning]) -> Measured:
@@ -400,7 +438,7 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, Pinn
     turns, such a phase falls on the inputs and on the steps alike, not on one of them only.
     The rank's threads kept on its core as ``pinning`` says (``pin``)."""
     cfg, wanted, steps, warmup, pinning = job
-    pin(rank, pinning)
+    pin(rank, world, pinning)
     p = predict(cfg)
     dist.barrier()
     model = _wrap("ours", cfg)
@@ -604,6 +642,33 @@ def sharing_one_core(wanted: list[Size], ranks: list[Measured]) -> LinkModel:
     )
 
 
+def collective_sizes(p: Prediction, wanted: list[Size]) -> dict[tuple[int, Activity], int]:
+    """Each unit's collectives in the simulated iteration (by unit and activity; the event check
+    under unit -1): the index of their size in ``wanted`` (``sizes``)."""
+    index = {size: k for k, size in enumerate(wanted)}
+    out = {}
+    check = next((k for k, size in enumerate(wanted) if is_event_check(size)), None)
+    if check is not None:
+        out[(-1, Activity.EVENT_CHECK)] = check
+    for unit, u in enumerate(p.units):
+        if u is None:
+            continue
+        gather = all_gather_volume(u.request)
+        if gather is not None:
+            k = index[(Collective.ALL_GATHER, Group.SHARD, gather.output_numel, gather.dtype)]
+            out[(unit, Activity.FORWARD_ALL_GATHER)] = out[(unit, Activity.BACKWARD_ALL_GATHER)] = k
+        for v in comm_volume(build_plan(u.request)):
+            collective = Collective(v.collective)
+            activity = Activity.REDUCE_SCATTER if collective is Collective.REDUCE_SCATTER else Activity.ALL_REDUCE
+            out[(unit, activity)] = index[(collective, v.group, v.input_numel, v.dtype)]
+    return out
+
+
+def ranks_per_core(world: int) -> int:
+    """How many of a world's ranks ``pin`` puts on one core (at most)."""
+    return math.ceil(world / len(os.sched_getaffinity(0)))
+
+
 def _worst(ranks: list[Measured]) -> list[tuple[float, float]]:
     """Each unit's compute, the slowest rank's."""
     return [(max(c[0] for c in column), max(c[1] for c in column)) for column in zip(*(r.compute for r in ranks))]
@@ -650,10 +715,12 @@ class InStep:
         return min(candidates, key=lambda c: sum((row.measured - row.simulated - c.of(row)) ** 2 for row in rows))
 
 
-def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinning: Pinning = Pinning.HOST) -> list[Row]:
-    """Per world started (``repeat`` of them), ``cfg`` measured and simulated (ms per step),
-    FSDP's host work calibrated once, on a world of one; each rank's threads pinned as ``pinning``
-    says."""
+def run(
+    name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinning: Pinning = Pinning.HOST
+) -> tuple[list[Row], list[Row]]:
+    """Per world started (``repeat`` of them), ``cfg`` measured and simulated (ms per step) by
+    both models (``sharing_one_core``'s slowdowns, and the core's: ``core_model``), FSDP's host
+    work calibrated once, on a world of one; each rank's threads pinned as ``pinning`` says."""
     p = predict(cfg)
     solo_cfg = dataclasses.replace(cfg, ranks=1)
     solo = predict(solo_cfg)
@@ -662,18 +729,21 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinnin
     bare = simulate(solo, alone.compute, fit_table(samples(solo_wanted, [alone])), 1).iteration_ms
     host = max(0.0, alone.forward_backward_ms - bare)
     share = host / sum(u is not None for u in p.units) / 2
-    rows = []
+    where = collective_sizes(p, wanted)
+    rows, core_rows = [], []
     for _ in range(repeat):
         ranks = run_world(cfg.world, measure, (cfg, wanted, steps, warmup, pinning), timeout=900)
         compute = _worst(ranks)
         with_host = [(f + share, b + share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
         links = sharing_one_core(wanted, ranks)
         check = event_check_ms(wanted, ranks)
-        timeline = simulate(p, with_host, fit_table(samples(wanted, ranks)), cfg.world, links, check)
+        table = fit_table(samples(wanted, ranks))
+        timeline = simulate(p, with_host, table, cfg.world, links, check)
         iteration, working = timeline.iteration_ms, working_ms(timeline)
         optimizer = max(r.optimizer_alone_ms for r in ranks)
         slowest = max(ranks, key=lambda r: r.forward_backward_ms + r.optimizer_ms)
         gathers, reductions = collective_counts(timeline)
+        core, core_parts = core_model(p, compute, share, table, cfg.world, check, where, ranks)
         parts = (
             f"compute {sum(f + b for f, b in compute):.2f}, host work {host:.2f} (one rank: "
             f"{alone.forward_backward_ms:.2f} measured, {bare:.2f} simulated without); iteration "
@@ -684,44 +754,55 @@ def run(name: str, cfg: Config, steps: int, warmup: int, repeat: int = 1, pinnin
             f"x{links.compute_slowdown.all_gather_intra:.2f}, reduce-scatter "
             f"x{links.compute_slowdown.reduce_scatter_intra:.2f}, all-reduce "
             f"x{links.compute_slowdown.all_reduce_inter:.2f}; compute beside them x{links.transfers_slow_compute:.2f}; "
-            f"{slowest.core} (one rank: {alone.core})"
+            f"{slowest.core} (one rank: {alone.core}); core model: {core_parts}"
         )
-        rows.append(
-            Row(
-                name,
-                iteration + optimizer,
-                slowest.forward_backward_ms + slowest.optimizer_ms,
-                gathers,
-                reductions,
-                parts,
-            )
-        )
+        measured = slowest.forward_backward_ms + slowest.optimizer_ms
+        rows.append(Row(name, iteration + optimizer, measured, gathers, reductions, parts))
+        core_rows.append(Row(name, core + optimizer, measured, gathers, reductions, core_parts))
         print(
-            f"{name:<46} simulated {rows[-1].simulated:>8.2f}, measured {rows[-1].measured:>8.2f} ms  {parts}",
+            f"{name:<46} simulated {rows[-1].simulated:>8.2f}, core model {core_rows[-1].simulated:>8.2f}, "
+            f"measured {measured:>8.2f} ms  {parts}",
             flush=True,
         )
-    return rows
+    return rows, core_rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=1, help="worlds started per configuration")
-    parser.add_argument(
-        "--pin",
-        choices=[p.value for p in Pinning],
-        default=Pinning.HOST.value,
-        help="which of a rank's threads stay on its core (Pinning)",
+def core_model(
+    p: Prediction,
+    compute: list[tuple[float, float]],
+    share: float,
+    table: object,
+    world: int,
+    check: float | None,
+    where: dict[tuple[int, Activity], int],
+    ranks: list[Measured],
+) -> tuple[float, str]:
+    """The iteration (ms) with the rank's core as the shared resource: collectives and compute
+    slow nothing in the simulation (``GLOO``); the host work calibrated on one rank is stretched
+    by the ranks ``pin`` puts on one core (``ranks_per_core``: they take turns; the compute,
+    timed on every rank at once, holds that already); and the processor work of the collectives
+    (``Beside.processor_ms``, the worst rank's), of every rank on the core, is added where it
+    overlaps the host's work (``IterationTimeline.work_beside_compute_ms``). With what it was made of."""
+    k = ranks_per_core(world)
+    stretched = [(f + k * share, b + k * share) if u is not None else (f, b) for u, (f, b) in zip(p.units, compute)]
+    timeline = simulate(p, stretched, table, world, GLOO, check)
+    processor = [max(r.collectives[i].processor_ms for r in ranks) for i in range(len(ranks[0].collectives))]
+
+    def of(interval: Interval) -> float:
+        unit = -1 if interval.activity is Activity.EVENT_CHECK else interval.unit
+        return processor[where[(unit, interval.activity)]]
+
+    beside = k * timeline.work_beside_compute_ms(of)
+    total = sum(of(i) for i in timeline.intervals if i.activity.is_collective)
+    return timeline.iteration_ms + beside, (
+        f"{timeline.iteration_ms:.2f} + collectives' processor work beside the host's {beside:.2f} "
+        f"(of {total:.2f} per rank, {k} rank(s) per core)"
     )
-    args = parser.parse_args()
-    names = [n for n in args.configs.split(",") if n]
-    if len(names) < 3:
-        parser.error("--configs: give at least 3 (each is predicted from the others' in-step costs)")
-    pinning = Pinning(args.pin)
-    rows = [row for name in names for row in run(name, CONFIGS[name], args.steps, args.warmup, args.repeat, pinning)]
-    print("\npredicted = simulated + in-step costs fitted on the other configurations:")
+
+
+def summarize(title: str, names: list[str], rows: list[Row], repeat: int) -> None:
+    """Predicted / measured per configuration (simulated + ``InStep`` fitted on the others)."""
+    print(f"\n{title}: predicted = simulated + in-step costs fitted on the other configurations:")
     ratios, bare, means = [], [], []
     for name in names:
         mine = [r for r in rows if r.name == name]
@@ -746,18 +827,43 @@ def main() -> None:
     )
     print(f"simulated / measured: {min(bare):.3f} - {max(bare):.3f}, median {statistics.median(bare):.3f}")
     print(f"predicted / measured: {min(ratios):.3f} - {max(ratios):.3f}, median {statistics.median(ratios):.3f}")
-    within = sum(abs(r - 1) <= 0.1 for r in ratios)
-    print(f"within 10%: {within} of {len(ratios)}")
-    if args.repeat > 1:
+    print(f"within 10%: {sum(abs(r - 1) <= 0.1 for r in ratios)} of {len(ratios)}")
+    if repeat > 1:
         print(
-            f"within 10% of each world's measurement, a configuration's mean over its own {args.repeat} worlds: "
+            f"within 10% of each world's measurement, a configuration's mean over its own {repeat} worlds: "
             f"{own_mean_within(rows)} of {len(rows)} (how closely this machine lets any prediction agree)"
         )
         print(
-            f"per configuration, the mean prediction over its {args.repeat} worlds / their mean measured: "
+            f"per configuration, the mean prediction over its {repeat} worlds / their mean measured: "
             f"{min(means):.3f} - {max(means):.3f}, median {statistics.median(means):.3f}; within 10%: "
             f"{sum(abs(m - 1) <= 0.1 for m in means)} of {len(means)}"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="worlds started per configuration")
+    parser.add_argument(
+        "--pin",
+        choices=[p.value for p in Pinning],
+        default=Pinning.HOST.value,
+        help="which of a rank's threads stay on its core (Pinning)",
+    )
+    args = parser.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    if len(names) < 3:
+        parser.error("--configs: give at least 3 (each is predicted from the others' in-step costs)")
+    pinning = Pinning(args.pin)
+    rows, core_rows = [], []
+    for name in names:
+        mine, core_mine = run(name, CONFIGS[name], args.steps, args.warmup, args.repeat, pinning)
+        rows += mine
+        core_rows += core_mine
+    summarize("measured slowdowns (sharing_one_core)", names, rows, args.repeat)
+    summarize("the core's model (core_model)", names, core_rows, args.repeat)
 
 
 def own_mean_within(rows: list[Row], tolerance: float = 0.1) -> int:

@@ -471,6 +471,18 @@ def test_the_plans_decide_the_streams_and_the_ranks_per_node_the_links() -> None
     assert sync.label == "HYBRID_SHARD 2 x 8, sync all-reduce" and one_node.label == "FULL_SHARD over 16"
 
 
+def test_collective_work_beside_compute_by_hand() -> None:
+    """Async HSDP of the small model (timeline above): of the collectives, only u1's backward
+    all-gather (11-14 ms, beside u2's backward 11-13) and u2's reduce-scatter (14-17, beside u1's
+    backward 14-16) overlap compute, each for 2 of its 3 ms; the all-reduces run while nothing
+    computes. So 3 ms of work per collective of u2 puts 2 ms beside compute, 1 ms per
+    collective 4/3 ms, and work on the all-reduces alone none."""
+    t = simulate_iteration(small(HSDP_ASYNC))
+    assert t.work_beside_compute_ms(lambda i: 3.0 if i.unit == 2 else 0.0) == 2
+    assert t.work_beside_compute_ms(lambda i: 1.0) == pytest.approx(4 / 3)
+    assert t.work_beside_compute_ms(lambda i: 5.0 if i.activity is Activity.ALL_REDUCE else 0.0) == 0
+
+
 def test_exposed_communication_and_the_limiting_link_by_hand() -> None:
     """Async HSDP of the small model (timeline above): compute runs 3-4, 7-8, 11-13 and 14-16 ms.
     u2's collectives (all-gathers 4-7 and 8-11, reduce-scatter 14-17, all-reduce 17-37) are

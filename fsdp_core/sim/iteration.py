@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import assert_never
@@ -442,6 +442,20 @@ class IterationTimeline:
         compute = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.activity in _COMPUTE])
         mine = _union([(i.start_ms, i.end_ms) for i in self.intervals if i.unit == unit and i.activity.is_collective])
         return _length(mine) - _length(_intersect(mine, compute))
+
+    def work_beside_compute_ms(self, work_ms: Callable[[Interval], float]) -> float:
+        """Of the collectives' processor work, how much falls while the rank computes: each
+        collective's ``work_ms(interval)``, times the share of its interval that overlaps any
+        compute (forward, backward, element-wise). Where a collective's work runs on the
+        processor that computes (gloo on one core), that much delays the compute; the rest falls
+        while the host waits, inside the collective's own time."""
+        compute = _union([(i.start_ms, i.end_ms) for i in self.intervals if not i.activity.is_collective])
+        total = 0.0
+        for i in self.intervals:
+            if i.activity.is_collective and i.duration_ms > 0:
+                beside = _length(_intersect([(i.start_ms, i.end_ms)], compute))
+                total += work_ms(i) * beside / i.duration_ms
+        return total
 
     @property
     def limiting_link(self) -> Link | None:
