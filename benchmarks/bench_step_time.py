@@ -120,23 +120,33 @@ Size = tuple[Collective, Group, int, torch.dtype]
 """A collective, its group, the numel FSDP passes (all-gather: its output) and the dtype."""
 
 
-def sizes(p: Prediction) -> list[Size]:
-    """Every collective of one synchronising iteration: the units' all-gathers and their plans',
-    and the event check that ends each backward (``event_check_volume``; an int64 all-gather,
-    which ``_issuer`` runs on the wrapper's control group, as the check does)."""
-    out: dict[Size, None] = {}
-    for u in p.units:
+def unit_collectives(p: Prediction) -> dict[tuple[int, Activity], Size]:
+    """Every collective of one synchronising iteration, by the unit and activity the simulated
+    iteration gives it: the units' all-gathers (forward and backward) and their plans'
+    reductions, and the event check that ends each backward under unit -1
+    (``event_check_volume``; an int64 all-gather, which ``_issuer`` runs on the wrapper's control
+    group, as the check does)."""
+    out: dict[tuple[int, Activity], Size] = {}
+    for unit, u in enumerate(p.units):
         if u is None:
             continue
         check = event_check_volume(u.request.sharding)
         if check.group_size > 1:
-            out[(Collective.ALL_GATHER, Group.SHARD, check.output_numel, check.dtype)] = None
+            out[(-1, Activity.EVENT_CHECK)] = (Collective.ALL_GATHER, Group.SHARD, check.output_numel, check.dtype)
         gather = all_gather_volume(u.request)
         if gather is not None:
-            out[(Collective.ALL_GATHER, Group.SHARD, gather.output_numel, gather.dtype)] = None
+            size = (Collective.ALL_GATHER, Group.SHARD, gather.output_numel, gather.dtype)
+            out[(unit, Activity.FORWARD_ALL_GATHER)] = out[(unit, Activity.BACKWARD_ALL_GATHER)] = size
         for v in comm_volume(build_plan(u.request)):
-            out[(Collective(v.collective), v.group, v.input_numel, v.dtype)] = None
-    return list(out)
+            collective = Collective(v.collective)
+            activity = Activity.REDUCE_SCATTER if collective is Collective.REDUCE_SCATTER else Activity.ALL_REDUCE
+            out[(unit, activity)] = (collective, v.group, v.input_numel, v.dtype)
+    return out
+
+
+def sizes(p: Prediction) -> list[Size]:
+    """Every size ``unit_collectives`` holds, each once, in the order first met."""
+    return list(dict.fromkeys(unit_collectives(p).values()))
 
 
 def _calls(call: Callable[[], float], repeats: int) -> list[float]:
@@ -643,25 +653,9 @@ def sharing_one_core(wanted: list[Size], ranks: list[Measured]) -> LinkModel:
 
 
 def collective_sizes(p: Prediction, wanted: list[Size]) -> dict[tuple[int, Activity], int]:
-    """Each unit's collectives in the simulated iteration (by unit and activity; the event check
-    under unit -1): the index of their size in ``wanted`` (``sizes``)."""
+    """``unit_collectives``, each as the index of its size in ``wanted`` (``sizes``)."""
     index = {size: k for k, size in enumerate(wanted)}
-    out = {}
-    check = next((k for k, size in enumerate(wanted) if is_event_check(size)), None)
-    if check is not None:
-        out[(-1, Activity.EVENT_CHECK)] = check
-    for unit, u in enumerate(p.units):
-        if u is None:
-            continue
-        gather = all_gather_volume(u.request)
-        if gather is not None:
-            k = index[(Collective.ALL_GATHER, Group.SHARD, gather.output_numel, gather.dtype)]
-            out[(unit, Activity.FORWARD_ALL_GATHER)] = out[(unit, Activity.BACKWARD_ALL_GATHER)] = k
-        for v in comm_volume(build_plan(u.request)):
-            collective = Collective(v.collective)
-            activity = Activity.REDUCE_SCATTER if collective is Collective.REDUCE_SCATTER else Activity.ALL_REDUCE
-            out[(unit, activity)] = index[(collective, v.group, v.input_numel, v.dtype)]
-    return out
+    return {key: index[size] for key, size in unit_collectives(p).items()}
 
 
 def ranks_per_core(world: int) -> int:
