@@ -6,17 +6,21 @@ import dataclasses
 import importlib.util
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell.cli.launch import free_port, run_world
+from fsdp_shell.demo.check import CheckReport, StepCheck
 from fsdp_shell.demo.cli import main as demo_main
 from fsdp_shell.demo.model import ModelConfig
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
@@ -92,6 +96,70 @@ def test_check_against_the_single_process_reference(options: list[str]) -> None:
     assert "OK" in summary_value(done.stdout, "check")
 
 
+def _check_sabotaged(rank: int, world: int, cfg: DemoConfig) -> list[CheckReport]:
+    """Two short ``--check`` runs, one with unit 0's reduced gradient and one with the updated
+    parameters of unit 1 moved by one part in 2**20 before the check compares them."""
+    reports = []
+    for sabotage in ("gradients", "stepped"):
+        original = getattr(StepCheck, sabotage)
+
+        def sabotaged(
+            self: StepCheck, original: Callable[[StepCheck], None] = original, sabotage: str = sabotage
+        ) -> None:
+            h = self.handles[0 if sabotage == "gradients" else 1]
+            moved = h.sharded_grad_flat() if sabotage == "gradients" else h.local
+            assert moved is not None
+            with torch.no_grad():
+                moved.mul_(1 + 2.0**-20)
+            original(self)
+
+        setattr(StepCheck, sabotage, sabotaged)
+        try:
+            report = run_rank(rank, world, cfg).check
+        finally:
+            setattr(StepCheck, sabotage, original)
+        if report is not None:
+            reports.append(report)
+    return reports
+
+
+def test_check_fails_on_a_gradient_or_update_off_by_one_part_in_a_million() -> None:
+    """A relative error of 2**-20 (8 float32 roundings of the value itself) is far outside the
+    bound of a 2-rank float32 reduction (2 roundings of the terms)."""
+    cfg = DemoConfig(
+        steps=2, batch_size=4, quiet=True, eval_every=100, check=True, model=ModelConfig(layers=2, width=32)
+    )
+    grads, updates = run_world(2, _check_sabotaged, cfg, timeout=300)[0]
+    assert not grads.passed and grads.gradients.ratio > 2 and grads.updates.ratio <= 1, grads.lines()
+    assert grads.gradients.name.startswith("blocks.0."), grads.lines()  # unit 0: the first block
+    assert not updates.passed and updates.updates.ratio > 2 and updates.gradients.ratio <= 1, updates.lines()
+    assert updates.updates.name.startswith("blocks.1."), updates.lines()
+
+
+def documented_check_commands() -> list[str]:
+    """Every ``fsdp-demo ... --check`` command line of the README and the documents."""
+    found = []
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for line in page.read_text(encoding="utf-8").splitlines():
+            command = line.split(" #")[0].strip()
+            if command.startswith("fsdp-demo ") and "--check" in command.split():
+                found.append(command)
+    return found
+
+
+def test_the_documents_show_check_commands() -> None:
+    assert len(documented_check_commands()) >= 2
+
+
+@pytest.mark.parametrize("command", documented_check_commands())
+def test_documented_check_command_passes_as_written(command: str) -> None:
+    """The command exactly as the documents show it (its step count included): the check holds
+    at every step."""
+    done = demo(*shlex.split(command)[1:], timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert summary_value(done.stdout, "check").endswith(": OK"), done.stdout
+
+
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_hugging_face_models_check_against_the_reference(model: str) -> None:
     pytest.importorskip("transformers")
@@ -149,6 +217,7 @@ def test_profile_writes_a_trace_per_rank(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     traces = sorted(p.name for p in tmp_path.glob("trace_rank*.json"))
     assert traces == ["trace_rank0.json", "trace_rank1.json"]
+    assert summary_value(done.stdout, "traces").startswith(f"{tmp_path}/trace_rank{{0..1}}.json (steps 3-5")
     trace = (tmp_path / "trace_rank0.json").read_text()
     assert "traceEvents" in trace[:2000]
     for step in ("forward unit 0", "backward unit 0", "gradient reduction unit 0", "end of backward unit"):
@@ -156,11 +225,15 @@ def test_profile_writes_a_trace_per_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the plot extra is not installed")
-def test_plot_writes_a_png(tmp_path: Path) -> None:
-    out = tmp_path / "curves.png"
+def test_plot_writes_a_png_and_says_where(tmp_path: Path) -> None:
+    """A name without a format gets ``.png`` (as matplotlib adds it), the summary names the file
+    written, and a missing folder is made, as ``--save`` makes its own."""
+    out = tmp_path / "new" / "curves"
     done = demo("--steps", "4", "--plot", str(out), *QUICK)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = out.with_name("curves.png")
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary_value(done.stdout, "plot") == str(written)
 
 
 @pytest.mark.parametrize(
@@ -190,6 +263,10 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         (["--lr", "-0.1"], "--lr"),
         (["--save", str(ROOT / "README.md" / "ckpt")], "--save"),
         (["--profile", str(ROOT / "README.md" / "traces")], "--profile"),
+        (["--save", "/proc/fsdp-demo-checkpoint"], "--save: cannot write in /proc"),
+        (["--plot", "out.txt"], "--plot: cannot write .txt files; accepted: "),
+        (["--plot", str(ROOT)], f"--plot: {ROOT} is a directory; expected a file name such as {ROOT / 'loss.png'}"),
+        (["--plot", str(ROOT / "README.md" / "loss.png")], "--plot: "),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.dist_harness import run_world
 from tests.fault_cases import mismatches, mixed_layouts, on_a_subgroup, recovery
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ranks_that_disagree_raise_the_same_error_before_any_collective() -> None:
@@ -20,6 +24,12 @@ def test_ranks_that_disagree_raise_the_same_error_before_any_collective() -> Non
         assert isinstance(messages[0], str) and fragment in messages[0], (field, messages)
         assert messages[0] == messages[1], (field, messages)  # the same error on every rank
         assert "rank 0:" in messages[0] and "rank 1:" in messages[0]
+    guide = (ROOT / "docs" / "user-guide.md").read_text(encoding="utf-8")
+    assert f"\nRankMismatchError: {results[0]['mixed_precision']}\n" in guide, "the user guide quotes the error"
+    wrap = results[0]["wrap_policy"]
+    assert isinstance(wrap, str) and wrap.endswith(
+        "rank 0: 3; rank 1: 7. Build the model and FSDP with the same arguments on every rank"
+    )
     for r in results:
         seconds = r["agreement_seconds"]
         assert isinstance(seconds, float) and 0 < seconds < 5

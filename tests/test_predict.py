@@ -34,6 +34,10 @@ def net() -> nn.Module:
     return nn.Sequential(Layer(), Layer(), nn.Linear(16, 4))
 
 
+def broken() -> nn.Module:
+    raise RuntimeError("no weights today")
+
+
 def step(model: nn.Module) -> torch.Tensor:
     out: torch.Tensor = model(torch.randn(8, 16)).float().square().mean()
     return out
@@ -168,6 +172,17 @@ def test_models_that_cannot_be_loaded_are_named(tmp_path: Path) -> None:
         load_model("tests.test_predict:net")
     with pytest.raises(ValueError, match="cannot import"):
         load_model("tests.nowhere:net")
+    needs = r"SPEC must name a callable taking no arguments that returns an nn.Module or a pair \(module, step\)"
+    with pytest.raises(ValueError, match=r"model: os.path:join\(a, \*p\) needs arguments; " + needs):
+        load_model("os.path:join")
+    with pytest.raises(ValueError, match=r"model: os:getcwd returned str; " + needs):
+        load_model("os:getcwd")
+    with pytest.raises(ValueError, match=r"model: math:nan is not callable; " + needs):
+        load_model("math:nan")
+    with pytest.raises(
+        ValueError, match=r"tests.test_predict:broken\(\) raised RuntimeError: no weights today; " + needs
+    ):
+        load_model("tests.test_predict:broken")
     with pytest.raises(ValueError, match="wrap: no module of class Conv2d"):
         load_model("demo", wrap=["Conv2d"])
 

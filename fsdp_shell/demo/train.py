@@ -4,7 +4,6 @@ on standard-library bytes."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from fsdp_core import CommHook, CPUOffload, Group, MixedPrecision, ShardingStrat
 from fsdp_core.plan.comm import ring_bytes
 from fsdp_shell import comm_hooks
 from fsdp_shell.demo import models
+from fsdp_shell.demo.check import CheckReport, StepCheck
 from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo.model import ModelConfig, lm_loss
@@ -26,7 +26,7 @@ from fsdp_shell.fsdp import FullyShardedDataParallel
 from fsdp_shell.runtime.device import current_accelerator
 from fsdp_shell.runtime.log import CollectiveRecord
 
-__all__ = ["DemoConfig", "RunResult", "reference_params", "run_rank"]
+__all__ = ["DemoConfig", "RunResult", "run_rank"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,8 @@ class RunResult:
     comm_bytes: list[int] = field(default_factory=list)
     tokens_per_step: int = 0
     params: int = 0
-    check_diff: float | None = None
+    check: CheckReport | None = None
+    """``--check``'s findings (rank 0's; ``fsdp_shell.demo.check``)."""
     units: int = 0
 
 
@@ -182,22 +183,34 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
         mininterval=0.5,
     )
     profiler = _profiler(cfg, rank)
+    check = StepCheck(cfg, model, world, device) if cfg.check else None
     with profiler if profiler is not None else contextlib.nullcontext():
         for step in range(result.start_step, cfg.steps):
             logged = len(model.collective_log())
             start = time.perf_counter()
             step_loss = torch.zeros((), device=device)
+            if check is not None:
+                check.begin(step)
             for micro in range(cfg.grad_accum):
                 x, y = corpus.batch(seed=cfg.seed, step=step, micro=micro, rows=rows * world, seq=seq)
                 x, y = x[rank * rows : (rank + 1) * rows].to(device), y[rank * rows : (rank + 1) * rows].to(device)
                 sync = micro == cfg.grad_accum - 1
                 with model.no_sync() if not sync else contextlib.nullcontext():
                     loss = lm_loss(models.logits(model, x, cfg.model.arch), y) / cfg.grad_accum
-                    torch.autograd.backward(loss)
+                    if check is None:
+                        torch.autograd.backward(loss)
+                    else:
+                        check.backward(loss, x, y)
                 step_loss += loss.detach()
+            if check is not None:
+                check.gradients()
             if cfg.clip is not None:
-                model.clip_grad_norm_(cfg.clip)
+                norm = model.clip_grad_norm_(cfg.clip)
+                if check is not None:
+                    check.clipped(norm)
             opt.step()
+            if check is not None:
+                check.stepped()
             opt.zero_grad()
             dist.all_reduce(step_loss)
             elapsed = time.perf_counter() - start
@@ -238,11 +251,8 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
                 "use_orig_params": cfg.use_orig_params,
             },
         )
-    if cfg.check:
-        full = model.full_state_dict()
-        if rank == 0:
-            ref = reference_params(cfg, corpus, world)
-            result.check_diff = max(float((full[k].float() - v.float()).abs().max()) for k, v in ref.items())
+    if check is not None and rank == 0:
+        result.check = check.report
     return result
 
 
@@ -264,32 +274,3 @@ def _profiler(cfg: DemoConfig, rank: int) -> torch.profiler.profile | None:
         on_trace_ready=export,
         schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
     )
-
-
-def reference_params(cfg: DemoConfig, corpus: Corpus, world: int) -> dict[str, torch.Tensor]:
-    """The same model, plain and single-process, trained in fp32 on the same global batches:
-    each rank's rows forward and backward on their own and the gradients averaged, as data
-    parallelism defines it (one forward over all rows rounds differently, and AdamW amplifies
-    that to ~2e-4 in 20 steps of GPT-2)."""
-    torch.manual_seed(cfg.seed)
-    model, _ = models.build(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    rows, seq = cfg.batch_size, cfg.model.seq
-    for step in range(cfg.steps):
-        for micro in range(cfg.grad_accum):
-            x, y = corpus.batch(seed=cfg.seed, step=step, micro=micro, rows=rows * world, seq=seq)
-            for r in range(world):
-                part = slice(r * rows, (r + 1) * rows)
-                loss = lm_loss(models.logits(model, x[part], cfg.model.arch), y[part])
-                torch.autograd.backward(loss / (cfg.grad_accum * world))
-        if cfg.clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def check_tolerance(cfg: DemoConfig) -> float:
-    """How far ``--check`` lets parameters drift from the fp32 reference."""
-    low = cfg.mixed_precision != "none" or cfg.comm_hook in (CommHook.FP16_COMPRESS, CommHook.BF16_COMPRESS)
-    return 5e-2 if low else 1e-4 * max(1.0, math.sqrt(cfg.steps / 10))

@@ -19,6 +19,7 @@ the whole model is one unit. Nothing is downloaded and no memory is allocated.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -162,16 +163,28 @@ def _from_factory(spec: str) -> tuple[nn.Module, StepFn | None]:
         factory = getattr(importlib.import_module(where), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"model: cannot import {spec}: {exc}") from None
+    wanted = "a callable taking no arguments that returns an nn.Module or a pair (module, step)"
     if not callable(factory):
-        raise ValueError(f"model: {spec} is not callable")
+        raise ValueError(f"model: {spec} is not callable; SPEC must name {wanted}")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise ValueError(
+            f"model: {spec}{inspect.signature(factory)} needs arguments; SPEC must name {wanted}"
+        ) from None
+    except ValueError:  # no signature to inspect (some builtins): calling it tells
+        pass
     with torch.device("meta"):
-        made = factory()
+        try:
+            made = factory()
+        except Exception as exc:  # noqa: BLE001  (the user's factory: any failure is reported in one line)
+            raise ValueError(f"model: {spec}() raised {type(exc).__name__}: {exc}; SPEC must name {wanted}") from None
     if isinstance(made, nn.Module):
         return made, None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1]):
         step: StepFn = made[1]
         return made[0], step
-    raise ValueError(f"model: {spec} returned {type(made).__name__}; expected an nn.Module or (module, step)")
+    raise ValueError(f"model: {spec} returned {type(made).__name__}; SPEC must name {wanted}")
 
 
 def _language_model(module: nn.Module) -> tuple[int, int | None]:
