@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_core import CommHook, ShardingStrategy, fsdp1_predivide_factor
-from fsdp_shell.runtime.collectives import reduce_scatter_flat
+from fsdp_shell.runtime.collectives import all_reduce_flat, reduce_scatter_flat
 from fsdp_shell.runtime.interpreter import CommHookFn
 
 __all__ = [
@@ -55,7 +55,7 @@ def _reduce(state: HookState, grad: torch.Tensor, output: torch.Tensor | None) -
     if state.gradient_predivide_factor > 1:
         grad.div_(state.gradient_predivide_factor)
     if output is None:
-        dist.all_reduce(grad, group=state.process_group)
+        all_reduce_flat(grad, state.process_group)
         target = grad
     else:
         reduce_scatter_flat(output, grad, state.process_group)

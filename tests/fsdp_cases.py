@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_core import CPUOffload, Group, MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, comm_hooks
@@ -345,3 +346,63 @@ def check_outcomes(case: Case, outcomes: list[Outcome]) -> None:
 def run_cases(rank: int, world: int, cases: tuple[Case, ...]) -> dict[str, Outcome]:
     """Every case in turn in this world (one world start for many cases)."""
     return {case.name: run_case(rank, world, case) for case in cases}
+
+
+class TiedHead(nn.Module):
+    """An input layer whose weight the output layer shares, around two units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.out = nn.Linear(16, 16)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.mid(self.inp(x)))
+        return out
+
+
+def bf16_reduction_losses(rank: int, world: int, arg: None) -> dict[str, list[float]]:
+    """Ten AdamW steps of ``TiedHead`` in bf16 with bf16 reduction over one shard group of
+    ``world`` ranks: FSDP1's losses, ours, and ours with gloo's reduce-scatter done as FSDP1's
+    is on gloo (an all-reduce, ``fsdp_shell.runtime.cpu.ALL_TO_ALL_MAX_BYTES`` below every size)
+    instead of an all-to-all whose chunks are summed in rank order."""
+    import fsdp_shell.runtime.cpu as cpu
+
+    def losses(make: Callable[[nn.Module], nn.Module]) -> list[float]:
+        torch.manual_seed(0)
+        model = make(TiedHead())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for step in range(10):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+            loss = (model(x).float() - y).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            out.append(float(total) / world)
+        return out
+
+    bf16 = torch.bfloat16
+    theirs = losses(
+        lambda m: TorchFSDP(
+            m,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+            mixed_precision=TorchMixedPrecision(param_dtype=bf16, reduce_dtype=bf16),
+            device_id=torch.device("cpu"),
+        )
+    )
+    ours = losses(lambda m: FSDP(m, auto_wrap_policy={nn.Sequential}, mixed_precision=MixedPrecision(param_dtype=bf16)))
+    all_to_all = cpu.ALL_TO_ALL_MAX_BYTES
+    cpu.ALL_TO_ALL_MAX_BYTES = -1
+    try:
+        ours_all_reduce = losses(
+            lambda m: FSDP(m, auto_wrap_policy={nn.Sequential}, mixed_precision=MixedPrecision(param_dtype=bf16))
+        )
+    finally:
+        cpu.ALL_TO_ALL_MAX_BYTES = all_to_all
+    return {"fsdp1": theirs, "ours": ours, "ours_all_reduce": ours_all_reduce}

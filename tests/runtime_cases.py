@@ -23,7 +23,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from fsdp_core import Group, ShardingStrategy
 from fsdp_shell import FSDP
-from fsdp_shell.runtime.collectives import all_gather_flat
+from fsdp_shell.runtime.collectives import (
+    all_gather_flat,
+    all_reduce_flat,
+    broadcast_flat,
+    reduce_scatter_flat,
+    use_count,
+)
 from fsdp_shell.runtime.log import CollectiveRecord, Phase
 from fsdp_shell.runtime.protocol import Pending
 from fsdp_shell.units.flat_param import FlatParamHandle
@@ -531,3 +537,33 @@ def operand_free_gathers(rank: int, world: int, arg: None) -> OperandFree:
     mine, theirs = stripped.full_state_dict(), held.full_state_dict()
     seen.diff_from_held = max(float((mine[k] - theirs[k]).abs().max()) for k in mine)
     return seen
+
+
+RELEASE_CALLS = 200
+"""Calls of each synchronous collective ``released_operands`` makes."""
+
+
+def released_operands(rank: int, world: int, arg: None) -> dict[str, int]:
+    """In how many of ``RELEASE_CALLS`` calls of each synchronous collective gloo's threads still
+    held one of its tensors when the call returned: torch's own calls (the probe's baseline) and
+    the library's, which wait until they have let go (``fsdp_shell.runtime.collectives``)."""
+    group = dist.group.WORLD
+    assert group is not None
+    src, out = torch.randn(1000), torch.empty(1000 * world)
+
+    def held_after(call: Callable[[], object], *tensors: torch.Tensor) -> int:
+        held = 0
+        for _ in range(RELEASE_CALLS):
+            before = [use_count(t) for t in tensors]
+            call()
+            held += any(use_count(t) > n for t, n in zip(tensors, before))
+        return held
+
+    return {
+        "torch all_gather_into_tensor": held_after(lambda: dist.all_gather_into_tensor(out, src), src, out),
+        "torch all_reduce": held_after(lambda: dist.all_reduce(src), src),
+        "all_gather_flat": held_after(lambda: all_gather_flat(out, src, group), src, out),
+        "reduce_scatter_flat": held_after(lambda: reduce_scatter_flat(src, out, group), src, out),
+        "all_reduce_flat": held_after(lambda: all_reduce_flat(src, group), src),
+        "broadcast_flat": held_after(lambda: broadcast_flat(src, 0), src),
+    }

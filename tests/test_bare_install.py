@@ -1,6 +1,7 @@
 """After only the README's first command (``pip install torch==2.13.0 && pip install -e .``), in
 a virtual environment of its own, the demo saves and resumes a checkpoint: what its features
-need (NumPy for torch.distributed.checkpoint's writer) is declared, not brought in by extras."""
+need (NumPy for torch.distributed.checkpoint's writer) is declared, not brought in by extras.
+What does need an extra (the README's table) says which, in one line, exit status 2."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def test_demo_saves_and_resumes_after_a_bare_install(tmp_path: Path) -> None:
     resumed = _run(bin_dir / "fsdp-demo", "--steps", "4", "--resume", checkpoint, *QUICK, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "3..4" in resumed.stdout, resumed.stdout
+    for command, extra in (
+        (["fsdp-demo", "--plot", "loss.png"], "--plot: needs matplotlib; install it with pip install -e '.[plot]'"),
+        (["fsdp-demo", "--model", "gpt2"], "--model gpt2: needs transformers; install it with pip install -e '.[hf]'"),
+        (["fsdp-plan", "--model", "llama-7b"], "Hugging Face models need transformers (pip install -e '.[hf]')"),
+    ):
+        refused = _run(bin_dir / command[0], *command[1:], cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]
+        assert extra in refused.stderr, refused.stderr

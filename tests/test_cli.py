@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -289,3 +290,13 @@ def test_the_memory_the_plan_holds_on_the_cpu_runtime_and_on_device_streams(caps
     memory = json.loads(capsys.readouterr().out)["memory"]
     assert memory["executor"] == "streams" and memory["peak"] == 8320 and memory["peak_op"] == 3
     assert len(memory["after"]) == 16 and memory["after"][-1] == memory["end"] == -8320
+
+
+def test_the_test_command_has_a_help_that_runs_nothing() -> None:
+    """``bash scripts/test.sh --help`` says what it runs and how to run a part, and exits before
+    installing, linting or testing anything (all of which would write to stderr or take minutes)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "test.sh"
+    done = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("usage: bash scripts/test.sh [PYTEST_ARGS...]\n"), done.stdout
+    assert "bash scripts/test.sh tests/test_demo.py -k check" in done.stdout

@@ -9,6 +9,12 @@
      skipped with REASON. Only for blocks that need GPUs, several nodes or ``torchrun``.
    - ``<!-- run: world1 -->``: run after ``torch.distributed`` has been initialised as a gloo
      world of one rank on a free loopback port, destroyed again after the block.
+   - ``<!-- run: torchrun2 -->``: a complete script, run as written on two ranks under
+     ``torchrun`` (``python -m torch.distributed.run --nproc-per-node 2``); it passes when every
+     rank exits with status 0. ``<!-- run: torchrun2 gloo-exit-abort -->`` (PyTorch's own FSDP1,
+     shown for comparison) also passes when a rank's only failure is the abort of torch's gloo
+     at interpreter exit (``terminate called without an active exception``, no traceback): the
+     script itself ran to its end.
    - a block whose text occurs verbatim in a file ``examples/*.py`` is an excerpt of that example,
      which ``tests/test_examples.py`` runs whole: skipped, naming the file.
    - a block that imports nothing and binds only names that one module of ``fsdp_core`` or
@@ -46,6 +52,8 @@ from typing import Literal
 import pytest
 from mkdocs.config import load_config
 
+from fsdp_shell.cli.launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = (*sorted(DOCS.glob("*.md")), ROOT / "README.md")
@@ -72,7 +80,9 @@ finally:
         dist.destroy_process_group()
 """
 
-Mode = Literal["run", "world1", "not-run", "excerpt", "sketch"]
+Mode = Literal["run", "world1", "torchrun2", "not-run", "excerpt", "sketch"]
+RUN_DIRECTIVES = ("world1", "torchrun2", "torchrun2 gloo-exit-abort")
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +136,10 @@ def _directive(lines: list[str], fence: int, page: Path) -> tuple[str, str] | No
     kind, arg = m.group("kind"), m.group("arg")
     if kind == "not-run" and not arg:
         raise ValueError(f"{page.name}:L{fence + 1}: <!-- not-run: REASON --> needs a reason")
-    if kind == "run" and arg != "world1":
-        raise ValueError(f"{page.name}:L{fence + 1}: unknown directive <!-- run: {arg} -->; accepted: world1")
+    if kind == "run" and arg not in RUN_DIRECTIVES:
+        raise ValueError(
+            f"{page.name}:L{fence + 1}: unknown directive <!-- run: {arg} -->; accepted: {', '.join(RUN_DIRECTIVES)}"
+        )
     return kind, arg
 
 
@@ -136,6 +148,8 @@ def _classify(page: Path, line: int, code: str, directive: tuple[str, str] | Non
         kind, arg = directive
         if kind == "not-run":
             return Block(page, line, code, "not-run", arg)
+        if arg.startswith("torchrun2"):
+            return Block(page, line, code, "torchrun2", arg.removeprefix("torchrun2").strip())
         return Block(page, line, code, "world1", "")
     for example in sorted((ROOT / "examples").glob("*.py")):
         if code.strip() in example.read_text(encoding="utf-8"):
@@ -261,6 +275,9 @@ def test_code_block(block: Block, tmp_path: Path) -> None:
     path = tmp_path / f"{block.page.stem}_L{block.line}.py"
     path.write_text("\n" * block.line + block.code, encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if block.mode == "torchrun2":
+        _run_on_two_ranks(block, path, env)
+        return
     result = subprocess.run(
         [sys.executable, "-c", RUNNER, str(path), block.mode],
         cwd=ROOT,
@@ -271,3 +288,22 @@ def test_code_block(block: Block, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, f"{block.id} failed:\n{result.stdout}\n{result.stderr}"
+
+
+def _run_on_two_ranks(block: Block, path: Path, env: dict[str, str]) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    result = subprocess.run(
+        [*launcher, "--master-port", str(free_port()), str(path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    output = f"{result.stdout}\n{result.stderr}"
+    if result.returncode != 0 and block.detail == "gloo-exit-abort":
+        # torch's gloo aborted at exit, and no line of the script is in any traceback: it ran to its end
+        assert GLOO_EXIT_ABORT in output and f'File "{path}"' not in output, output
+        return
+    assert result.returncode == 0, f"{block.id} failed on two ranks:\n{output}"

@@ -29,10 +29,9 @@ from types import MappingProxyType
 from typing import Generic, Protocol, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from fsdp_core import Group, ReduceOpSpec, Stream
-from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, to_reduce_op
+from fsdp_shell.runtime.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat, to_reduce_op
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_shell.runtime.protocol import Pending, Waitable
@@ -199,7 +198,7 @@ class AcceleratorRuntime(Generic[S, E]):
         pg = self._groups.of(group)
         with self._on(stream):
             self._log.add("all_reduce", group, tensor.dtype, tensor.numel())
-            dist.all_reduce(tensor, op=to_reduce_op(op), group=pg)
+            all_reduce_flat(tensor, pg, to_reduce_op(op))
 
     def comm_hook(
         self,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 from fsdp_core import PLANS_IN_FLIGHT, Group, ReduceKind, ReduceOpSpec, Stream
 from fsdp_core.memory import GLOO_ALL_TO_ALL_MAX_BYTES, GLOO_ASYNC_GATHER_MAX_BYTES
-from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat, release, to_reduce_op
+from fsdp_shell.runtime.collectives import all_gather_flat, completed, reduce_scatter_flat, release, to_reduce_op
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_shell.runtime.protocol import Pending, Waitable
@@ -192,11 +191,11 @@ class CpuRuntime:
         keys = (stream, group)
         behind = self._behind(keys, uses)
         if group is Group.REPLICATE or (behind and group in self._lane_issues):
-            self._defer(lambda: _issue_and_wait(issue, uses), keys, uses)
+            self._defer(lambda: completed(issue, uses), keys, uses)
             return
         if behind:
             self.drain()
-        _issue_and_wait(issue, uses)
+        completed(issue, uses)
 
     def _wait_through(self, ticket: int) -> None:
         if ticket <= self._waited:
@@ -342,34 +341,6 @@ class CpuRuntime:
             pending.wait()
             return None
         return pending
-
-
-def _use_count(t: torch.Tensor) -> int:
-    """How many C++ references ``t``'s tensor has (the Python object holds one)."""
-    return int(t._use_count())  # type: ignore[attr-defined]  # private, not in torch's stubs
-
-
-GLOO_RELEASE_TIMEOUT = 1.0
-"""Seconds ``_issue_and_wait`` waits at most for gloo's threads to let go of a collective's
-tensors (they do within microseconds once scheduled; the bound only keeps a surprise from
-hanging a step)."""
-
-
-def _issue_and_wait(issue: Callable[[], Pending | None], uses: tuple[torch.Tensor, ...]) -> None:
-    """Issue a collective and wait for it; then wait until gloo's own threads hold none of
-    ``uses``: they keep a reference to a collective's tensors for a moment after ``wait()``
-    returns, and a tensor the plan hands off (a reduced shard) must be freed when its last
-    holder in the program drops it, not when a gloo thread happens to run. Seen through each
-    tensor's count of C++ references (``Tensor._use_count``), taken before the issue."""
-    held = [_use_count(t) for t in uses]
-    pending = issue()
-    if pending is None:
-        return
-    pending.wait()
-    del pending
-    deadline = time.monotonic() + GLOO_RELEASE_TIMEOUT
-    while any(_use_count(t) > n for t, n in zip(uses, held)) and time.monotonic() < deadline:
-        time.sleep(0)
 
 
 ALL_TO_ALL_MAX_BYTES = GLOO_ALL_TO_ALL_MAX_BYTES

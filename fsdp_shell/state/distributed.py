@@ -28,6 +28,8 @@ import torch.distributed.fsdp.api as fsdp_api
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from fsdp_shell.runtime.collectives import broadcast_flat
+
 __all__ = ["Wrapper", "install"]
 
 
@@ -233,6 +235,6 @@ def _broadcast(tree: object) -> Any:
             continue
         _, shape, dtype = entry
         t = leaves[index].to(device) if rank == 0 else torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(t, src=0)
+        broadcast_flat(t, 0)
         out.append(t)
     return tree_unflatten(out, sent)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp_shell.runtime.collectives import all_reduce_flat
 from fsdp_shell.units.flat_param import FlatParamHandle
 
 __all__ = ["clip_grad_norm"]
@@ -62,10 +63,10 @@ def clip_grad_norm(
         else:
             replicated += local**p
     if p == float("inf"):
-        dist.all_reduce(sharded, op=dist.ReduceOp.MAX, group=shard_group)
+        all_reduce_flat(sharded, shard_group, dist.ReduceOp.MAX)
         total = torch.maximum(sharded, replicated)
     else:
-        dist.all_reduce(sharded, group=shard_group)
+        all_reduce_flat(sharded, shard_group)
         total = (sharded + replicated) ** (1.0 / p)
     if math.isinf(max_norm):
         return total

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_shell.runtime.collectives import broadcast_flat
+
 __all__ = ["broadcast_states", "cast_buffers", "materialize", "move_states"]
 
 
@@ -116,7 +118,7 @@ def broadcast_states(
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for t in states:
-                dist.broadcast(t.data, src=src, group=group)
+                broadcast_flat(t.data, src, group)
 
 
 def cast_buffers(root: nn.Module, dtype: torch.dtype | None, is_wrapped: Callable[[nn.Module], bool]) -> None:
