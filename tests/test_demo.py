@@ -106,7 +106,7 @@ def _check_sabotaged(rank: int, world: int, cfg: DemoConfig) -> list[CheckReport
         def sabotaged(
             self: StepCheck, original: Callable[[StepCheck], None] = original, sabotage: str = sabotage
         ) -> None:
-            h = self.handles[0 if sabotage == "gradients" else 1]
+            h = self.units[0 if sabotage == "gradients" else 1]
             moved = h.sharded_grad_flat() if sabotage == "gradients" else h.local
             assert moved is not None
             with torch.no_grad():

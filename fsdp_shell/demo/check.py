@@ -123,7 +123,9 @@ class StepCheck:
         self.model = model
         self.world = world
         self.device = device
-        self.handles = model._tree.flat_handles  # the demo is the shell's own: it reads the units' handles
+        self.units = {u: h for u, h in enumerate(model._tree.handles) if h is not None}
+        """Every unit that holds parameters, by unit index (the demo is the shell's own: it reads
+        the units' handles and the plans they ran)."""
         mixed = cfg.mixed()
         self.compute_dtype = torch.float32 if mixed is None or mixed.param_dtype is None else mixed.param_dtype
         with torch.random.fork_rng(devices=[]):
@@ -131,7 +133,8 @@ class StepCheck:
         self.reference = plain.to(device)
         for p in self.reference.parameters():
             p.data = p.data.to(self.compute_dtype)  # parameters only: FSDP1 leaves buffers alone
-        self.names = {id(p): n for n, p in self.reference.named_parameters()}
+        self.named = list(self.reference.named_parameters())
+        self.names = {id(p): n for n, p in self.named}
         self.report = CheckReport(clipping=None if cfg.clip is None else Worst())
         self._optimizer_copy: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -150,11 +153,11 @@ class StepCheck:
 
     def _full_params(self) -> dict[str, torch.Tensor]:
         """Every unit's parameters, whole, by the reference's names (collectives)."""
-        return {self._name(fqn): v for h in self.handles for fqn, v in h.full_values().items()}
+        return {self._name(fqn): v for h in self.units.values() for fqn, v in h.full_values().items()}
 
     def _full_grads(self) -> dict[str, torch.Tensor]:
         """Every unit's reduced gradient, whole, by the reference's names (collectives)."""
-        return {self._name(fqn): g for h in self.handles for fqn, g in _full_grads(h).items()}
+        return {self._name(fqn): g for h in self.units.values() for fqn, g in _full_grads(h).items()}
 
     def begin(self, step: int) -> None:
         """The step's parameters (gathered; the last step's result after the first) into the
@@ -163,30 +166,23 @@ class StepCheck:
         if not self._params:
             self._params = self._full_params()
         with torch.no_grad():
-            for name, p in self.reference.named_parameters():
+            for name, p in self.named:
                 p.copy_(self._params[name])
-        self._sums = {n: torch.zeros(p.shape, dtype=torch.float64, device=self.device) for n, p in self._named()}
+        self._sums = {n: torch.zeros(p.shape, dtype=torch.float64, device=self.device) for n, p in self.named}
         self._magnitudes = {n: torch.zeros_like(t) for n, t in self._sums.items()}
-        self._plans = {i: [] for i in range(len(self.handles))}
-
-    def _named(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.reference.named_parameters())
+        self._plans = {unit: [] for unit in self.units}
 
     def backward(self, loss: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """FSDP's backward of ``loss`` (recording the plans each unit ran), then the reference's
         gradient of the same rows' loss, summed exactly."""
-        tree = self.model._tree
-        iteration = tree.iteration  # replaced at the end of backward: this one keeps the runs
+        iteration = self.model._tree.iteration  # replaced at the end of backward: this one keeps the runs
         torch.autograd.backward(loss)
-        unit_of = {id(h): i for i, h in enumerate(self.handles)}
         for unit, run in iteration.runs:
-            h = tree.handles[unit]
-            assert h is not None
-            self._plans[unit_of[id(h)]].append(run.plan)
+            self._plans[unit].append(run.plan)
         self.reference.zero_grad(set_to_none=True)
         ref_loss = lm_loss(models.logits(self.reference, tokens, self.cfg.model.arch), targets) / self.cfg.grad_accum
         torch.autograd.backward(ref_loss)
-        for name, p in self._named():
+        for name, p in self.named:
             if p.grad is not None:
                 g = p.grad.double()
                 self._sums[name] += g
@@ -194,7 +190,7 @@ class StepCheck:
 
     def gradients(self) -> None:
         """FSDP's reduced gradient of the step against the exact average (collectives)."""
-        names = [n for n, _ in self._named()]
+        names = [n for n, _ in self.named]
         both = torch.cat([self._sums[n].reshape(-1) for n in names] + [self._magnitudes[n].reshape(-1) for n in names])
         dist.all_reduce(both)
         half = both.numel() // 2
@@ -202,8 +198,9 @@ class StepCheck:
         magnitude = self._unflatten(both[half:] / self.world, names)
         terms = self.world * self.cfg.grad_accum
         self._grads = {}
-        for unit, h in enumerate(self.handles):
-            bound = self._allowed(step_rounding(self._plans[unit]), terms)
+        for unit, h in self.units.items():
+            plans = self._plans[unit]  # none: no gradient reached the unit, so the exact one must be 0
+            bound = self._allowed(step_rounding(plans) if plans else Rounding(), terms)
             for fqn, g in _full_grads(h).items():
                 name = self._name(fqn)
                 self._grads[name] = g
