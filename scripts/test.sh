@@ -18,7 +18,7 @@ The project's test command (CI runs it on a fresh clone, with no arguments):
 Arguments go to pytest, for example:
   bash scripts/test.sh tests/test_rounding.py
   bash scripts/test.sh tests/test_demo.py -k check
-The whole suite takes about 30 minutes on a 2-core machine; the lint and type checks about 1.
+The whole suite takes 20-30 minutes on a 2-core machine; the lint and type checks about 1.
 USAGE
   exit 0
   ;;

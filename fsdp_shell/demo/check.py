@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,12 +37,10 @@ from torch import nn
 from fsdp_core import Plan
 from fsdp_core.plan.rounding import Rounding, step_rounding, unit_roundoff
 from fsdp_shell.demo import models
+from fsdp_shell.demo.config import DemoConfig
 from fsdp_shell.demo.model import lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
 from fsdp_shell.units.flat_param import FlatParamHandle
-
-if TYPE_CHECKING:
-    from fsdp_shell.demo.train import DemoConfig
 
 __all__ = ["CheckReport", "StepCheck", "Worst"]
 

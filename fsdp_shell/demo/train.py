@@ -14,52 +14,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tqdm import tqdm
 
-from fsdp_core import CommHook, CPUOffload, Group, MixedPrecision, ShardingStrategy
+from fsdp_core import CommHook, CPUOffload, Group
 from fsdp_core.plan.comm import ring_bytes
 from fsdp_shell import comm_hooks
 from fsdp_shell.demo import models
 from fsdp_shell.demo.check import CheckReport, StepCheck
 from fsdp_shell.demo.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_shell.demo.config import DemoConfig
 from fsdp_shell.demo.data import Corpus, load_corpus
-from fsdp_shell.demo.model import ModelConfig, lm_loss
+from fsdp_shell.demo.model import lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
 from fsdp_shell.runtime.device import current_accelerator
 from fsdp_shell.runtime.log import CollectiveRecord
 
 __all__ = ["DemoConfig", "RunResult", "run_rank"]
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """Everything a run depends on (built and validated by the command line)."""
-
-    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    shard_size: int | None = None
-    steps: int = 300
-    batch_size: int = 8
-    mixed_precision: str = "none"
-    offload: bool = False
-    use_orig_params: bool = False
-    grad_accum: int = 1
-    comm_hook: CommHook = CommHook.NONE
-    clip: float | None = None
-    seed: int = 0
-    lr: float = 3e-3
-    eval_every: int = 25
-    check: bool = False
-    save: str | None = None
-    resume: str | None = None
-    profile: str | None = None
-    quiet: bool = False
-    model: ModelConfig = ModelConfig()
-
-    def mixed(self) -> MixedPrecision | None:
-        """The ``MixedPrecision`` for ``--mixed-precision``: compute in bf16/fp16, reduce in fp32."""
-        if self.mixed_precision == "bf16":
-            return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if self.mixed_precision == "fp16":
-            return MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
-        return None
 
 
 @dataclass
