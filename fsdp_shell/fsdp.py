@@ -22,11 +22,18 @@ from torch import nn
 from torch.distributed.fsdp._common_utils import TrainingState
 from torch.nn.modules.module import _IncompatibleKeys
 
-from fsdp_core import BackwardPrefetch, CPUOffload, DivisionPolicy, HybridAllReduce, MixedPrecision, ShardingStrategy
+from fsdp_core import (
+    BackwardPrefetch,
+    CPUOffload,
+    DivisionPolicy,
+    HybridAllReduce,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from fsdp_shell import comm_hooks, hooks
 from fsdp_shell.deprecated import DeprecatedOptimStateHelpers
 from fsdp_shell.options import check_mixed_precision, flag, parse_options, to_ignored
-from fsdp_shell.runtime.log import CollectiveRecord
+from fsdp_shell.runtime.log import CollectiveKind, CollectiveRecord
 from fsdp_shell.state import distributed as distributed_state_dict
 from fsdp_shell.state.optim_state import optim_state_dict as optim_state_dict_of
 from fsdp_shell.state.optim_state import optim_state_dict_to_load, param_group_names
@@ -371,10 +378,17 @@ class FullyShardedDataParallel(DeprecatedOptimStateHelpers, nn.Module):
         self._require_root("_flat_handles")
         return self._tree.flat_handles
 
-    def collective_log(self) -> list[CollectiveRecord]:
-        """Every collective the runtime has issued so far (all-gathers, reductions), in issue
-        order within each group: ``(op, group, dtype, numel, phase)``."""
-        return list(self._tree.log.records)
+    def collective_counts(self) -> dict[CollectiveKind, int]:
+        """How many collectives of each kind, ``(op, group, dtype, numel)``, the runtime has
+        issued so far (all-gathers, reductions, comm hooks): one entry per kind, so it does not
+        grow with the steps. Subtract two readings to count a step."""
+        return dict(self._tree.log.counts)
+
+    def watch_collectives(self) -> contextlib.AbstractContextManager[list[CollectiveRecord]]:
+        """``with model.watch_collectives() as seen:`` ``seen`` receives every collective the
+        runtime issues inside, ``(op, group, dtype, numel, phase)``, in issue order within each
+        group; nothing is recorded outside such a block."""
+        return self._tree.log.watching()
 
     def _set(self, **changes: Any) -> None:
         tree = self._tree

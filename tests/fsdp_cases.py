@@ -232,38 +232,38 @@ def run_case(rank: int, world: int, case: Case) -> Outcome:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     topt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9) if theirs is not None else None
-    collectives = model._tree.log.records
+    with model.watch_collectives() as collectives:  # every collective of the case's training
 
-    def ours_no_sync() -> contextlib.AbstractContextManager[None]:
-        return _counting(model.no_sync(), collectives, outcome)
+        def ours_no_sync() -> contextlib.AbstractContextManager[None]:
+            return _counting(model.no_sync(), collectives, outcome)
 
-    def before_last() -> None:
-        if case.defer_all_reduce:
-            model.set_requires_all_reduce(True)
+        def before_last() -> None:
+            if case.defer_all_reduce:
+                model.set_requires_all_reduce(True)
 
-    for step in range(case.steps):
-        if case.defer_all_reduce:
-            model.set_requires_all_reduce(False)
-        _step_model(model, opt, case, step, world, rank, ours_no_sync, before_last)
-        _step_model(ref, ropt, case, step, world, -1, None, loss_scale=ref_scale)
-        if theirs is not None and topt is not None:
-            _step_model(theirs, topt, case, step, world, rank, theirs.no_sync)
-        if case.clip is not None:
-            ours_norm = model.clip_grad_norm_(case.clip)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
-            outcome.norm_diff = max(outcome.norm_diff, float((ours_norm - ref_norm).abs()))
+        for step in range(case.steps):
+            if case.defer_all_reduce:
+                model.set_requires_all_reduce(False)
+            _step_model(model, opt, case, step, world, rank, ours_no_sync, before_last)
+            _step_model(ref, ropt, case, step, world, -1, None, loss_scale=ref_scale)
+            if theirs is not None and topt is not None:
+                _step_model(theirs, topt, case, step, world, rank, theirs.no_sync)
+            if case.clip is not None:
+                ours_norm = model.clip_grad_norm_(case.clip)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
+                outcome.norm_diff = max(outcome.norm_diff, float((ours_norm - ref_norm).abs()))
+                if theirs is not None:
+                    theirs.clip_grad_norm_(case.clip)
+            outcome.spare_grads_none &= all(p.grad is None for n, p in model.named_parameters() if "spare" in n)
+            for o in (opt, ropt, topt):
+                if o is not None:
+                    o.step()
+                    o.zero_grad()
+            full = model.full_state_dict()
+            outcome.ref_diff = max(outcome.ref_diff, _max_diff(full, ref.state_dict()))
             if theirs is not None:
-                theirs.clip_grad_norm_(case.clip)
-        outcome.spare_grads_none &= all(p.grad is None for n, p in model.named_parameters() if "spare" in n)
-        for o in (opt, ropt, topt):
-            if o is not None:
-                o.step()
-                o.zero_grad()
-        full = model.full_state_dict()
-        outcome.ref_diff = max(outcome.ref_diff, _max_diff(full, ref.state_dict()))
-        if theirs is not None:
-            d = _max_diff(full, _torch_full(theirs))
-            outcome.fsdp1_diff = d if outcome.fsdp1_diff is None else max(outcome.fsdp1_diff, d)
+                d = _max_diff(full, _torch_full(theirs))
+                outcome.fsdp1_diff = d if outcome.fsdp1_diff is None else max(outcome.fsdp1_diff, d)
     outcome.reduce_dtypes = sorted(
         {str(r.dtype) for r in collectives if r.group is Group.SHARD and r.op != "all_gather"}
     )

@@ -273,3 +273,26 @@ def outliving_their_model(rank: int, world: int, case: MemoryCase) -> tuple[list
 
 
 RELEASE_SECONDS = 2.0
+
+
+HEAP_STEPS = 300
+"""Steps between the two counts of ``tracked_objects``."""
+
+
+def tracked_objects(rank: int, world: int, arg: None) -> tuple[int, int]:
+    """How many Python objects the garbage collector tracks (after ``gc.collect()``) 20 steps
+    into training a two-unit model, and ``HEAP_STEPS`` steps later. Whatever the library kept per
+    step (a record, an event, a tensor) would be among them; torch's own per-step objects are
+    not, and neither are this machine's timings, so the count is exact."""
+    model = FSDP(nn.Sequential(nn.Linear(10, 9), nn.Linear(9, 9)), auto_wrap_policy={nn.Linear})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def steps(n: int) -> int:
+        for _ in range(n):
+            model(torch.randn(4, 10)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        gc.collect()
+        return len(gc.get_objects())
+
+    return steps(20), steps(HEAP_STEPS)

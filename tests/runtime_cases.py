@@ -282,13 +282,12 @@ def _prefetched(backward_prefetch: str | None, forward_prefetch: bool, rank: int
     ref = make_model(32, 5)
     seen.ref_diff = _train_against_reference(model, ref, rank, world, steps=2)
     seen.max_gathered.clear()
-    log = model._tree.log
-    before = len(log.records)
     phase[0] = "forward"
-    _train_against_reference(model, ref, rank, world, steps=1)
+    with model.watch_collectives() as issued:
+        _train_against_reference(model, ref, rank, world, steps=1)
     seen.backward_ops = [
         (r.op, r.phase)
-        for r in log.records[before:]
+        for r in issued
         if r.group is Group.SHARD and r.phase is not Phase.FORWARD and r.phase is not Phase.OTHER
     ]
     return seen
@@ -368,8 +367,9 @@ def collective_order(rank: int, world: int, arg: None) -> Ordered:
             hybrid_all_reduce=placement,
         )
         ref = make_model(32, 5)
-        out.ref_diff[name] = _train_against_reference(model, ref, rank, world)
-        out.logs[name] = model.collective_log()
+        with model.watch_collectives() as issued:
+            out.ref_diff[name] = _train_against_reference(model, ref, rank, world)
+        out.logs[name] = issued
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo.model import lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
 from fsdp_shell.runtime.device import current_accelerator
-from fsdp_shell.runtime.log import CollectiveRecord
+from fsdp_shell.runtime.log import CollectiveKind
 
 __all__ = ["DemoConfig", "RunResult", "run_rank"]
 
@@ -73,17 +74,18 @@ def _hook(model: FullyShardedDataParallel, kind: CommHook) -> None:
     model.register_comm_hook(comm_hooks.DefaultState(model.process_group), fn)
 
 
-def _wire_bytes(entries: list[CollectiveRecord], sizes: dict[Group, int], sharded: bool, hook: CommHook) -> int:
-    """The gradient reductions' bytes on the wire per rank, counted as the plans count them
-    (``fsdp_core.plan.comm``): a comm hook as the collective it runs, the all-reduce hook as an
-    all-reduce of the whole gradient."""
-    hooked = "reduce_scatter" if sharded and hook is not CommHook.ALLREDUCE else "all_reduce"
+def _wire_bytes(
+    before: Mapping[CollectiveKind, int], after: Mapping[CollectiveKind, int], sizes: dict[Group, int], hooked: str
+) -> int:
+    """The gradient reductions' bytes on the wire per rank between two readings of the
+    collective counts, counted as the plans count them (``fsdp_core.plan.comm``): a comm hook as
+    ``hooked``, the collective it runs."""
     total = 0
-    for op, group, dtype, numel, _ in entries:
-        if op == "all_gather":
+    for kind, calls in after.items():
+        if kind.op == "all_gather":
             continue
-        collective = op if op != "comm_hook" else hooked
-        total += ring_bytes(collective, numel, sizes[group], dtype)
+        collective = kind.op if kind.op != "comm_hook" else hooked
+        total += (calls - before.get(kind, 0)) * ring_bytes(collective, kind.numel, sizes[kind.group], kind.dtype)
     return total
 
 
@@ -137,6 +139,8 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
         result.start_step = int(str(meta["step"]))
     rows, seq = cfg.batch_size, cfg.model.seq
     result.tokens_per_step = rows * world * seq * cfg.grad_accum
+    # a comm hook is counted as the collective it runs: the all-reduce hook all-reduces the whole gradient
+    hooked = "reduce_scatter" if cfg.strategy.is_sharded and cfg.comm_hook is not CommHook.ALLREDUCE else "all_reduce"
     sizes = {
         Group.SHARD: model.process_group.size(),
         Group.REPLICATE: 1 if model.replicate_group is None else model.replicate_group.size(),
@@ -154,7 +158,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
     check = StepCheck(cfg, model, world, device) if cfg.check else None
     with profiler if profiler is not None else contextlib.nullcontext():
         for step in range(result.start_step, cfg.steps):
-            logged = len(model.collective_log())
+            counted = model.collective_counts()
             start = time.perf_counter()
             step_loss = torch.zeros((), device=device)
             if check is not None:
@@ -184,9 +188,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
             elapsed = time.perf_counter() - start
             result.losses.append(float(step_loss) / world)
             result.step_seconds.append(elapsed)
-            result.comm_bytes.append(
-                _wire_bytes(model.collective_log()[logged:], sizes, cfg.strategy.is_sharded, cfg.comm_hook)
-            )
+            result.comm_bytes.append(_wire_bytes(counted, model.collective_counts(), sizes, hooked))
             if profiler is not None:
                 profiler.step()
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step == result.start_step:

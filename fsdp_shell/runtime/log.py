@@ -1,8 +1,12 @@
-"""The log of every collective one rank's runtime issues: op, group, dtype, size and where.
+"""What one rank's runtime issues, collective by collective: counted by kind (op, group, dtype and
+size, for as long as the process runs) and shown to whoever watches.
 
-Tests compare it across ranks (each group's sequence must be the same on every rank) and the
-demo counts its traffic. Records are appended by the host thread and by the lane; within one
-group there is one issuer, so each group's sequence is its issue order.
+Nothing here grows with the number of steps: the counts have one entry per kind of collective,
+and a record of each collective exists only while someone watches (``watching``), kept in the
+watcher's own list. The demo counts its traffic from the totals; tests watch the issue order
+(each group's sequence must be the same on every rank). Collectives are added by the host thread
+and by the lane; within one group there is one issuer, so each group's sequence is its issue
+order.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from fsdp_core import Group
 
-__all__ = ["CollectiveLog", "CollectiveRecord", "Phase"]
+__all__ = ["CollectiveKind", "CollectiveLog", "CollectiveRecord", "Phase"]
 
 
 class Phase(enum.Enum):
@@ -41,35 +45,63 @@ class CollectiveRecord(NamedTuple):
     phase: Phase
 
 
-class CollectiveLog:
-    """Every collective this rank's runtime issued, in issue order per group.
+class CollectiveKind(NamedTuple):
+    """A kind of collective: what a rank counts them by."""
 
-    The host thread's collectives are logged in the phase of the innermost ``during`` it is in
+    op: str
+    group: Group
+    dtype: torch.dtype
+    numel: int
+
+
+class CollectiveLog:
+    """The collectives this rank's runtime issues: ``counts`` by kind, and a ``CollectiveRecord``
+    of each to every list ``watching`` has handed out.
+
+    The host thread's collectives are recorded in the phase of the innermost ``during`` it is in
     (``OTHER`` outside any); those of the thread passed to ``mark_lane`` as ``LANE``."""
 
     def __init__(self) -> None:
-        self.records: list[CollectiveRecord] = []
+        self.counts: dict[CollectiveKind, int] = {}
+        self._watchers: tuple[list[CollectiveRecord], ...] = ()
         self._phase = Phase.OTHER
         self._lane: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def during(self, phase: Phase) -> Iterator[None]:
-        """Log the host thread's collectives inside as issued in ``phase``."""
+        """Record the host thread's collectives inside as issued in ``phase``."""
         outer, self._phase = self._phase, phase
         try:
             yield
         finally:
             self._phase = outer
 
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[list[CollectiveRecord]]:
+        """A list that receives a record of every collective issued inside, in issue order per
+        group (kept by the caller: nothing is kept here once the block ends)."""
+        seen: list[CollectiveRecord] = []
+        with self._lock:
+            self._watchers = (*self._watchers, seen)
+        try:
+            yield seen
+        finally:
+            with self._lock:
+                self._watchers = tuple(w for w in self._watchers if w is not seen)
+
     def mark_lane(self, thread: threading.Thread) -> None:
         """Collectives ``thread`` issues are the lane's."""
         self._lane = thread
 
     def add(self, op: str, group: Group, dtype: torch.dtype, numel: int) -> None:
-        """Log a collective issued now, by the current thread."""
-        on_lane = self._lane is not None and threading.current_thread() is self._lane
-        self.records.append(CollectiveRecord(op, group, dtype, numel, Phase.LANE if on_lane else self._phase))
-
-    def of_group(self, group: Group) -> list[CollectiveRecord]:
-        """The records of one group, in the order they were issued."""
-        return [r for r in self.records if r.group is group]
+        """Count a collective issued now, by the current thread, and show it to the watchers."""
+        kind = CollectiveKind(op, group, dtype, numel)
+        with self._lock:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            watchers = self._watchers
+        if watchers:
+            on_lane = self._lane is not None and threading.current_thread() is self._lane
+            record = CollectiveRecord(op, group, dtype, numel, Phase.LANE if on_lane else self._phase)
+            for seen in watchers:
+                seen.append(record)
