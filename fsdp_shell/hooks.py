@@ -217,11 +217,7 @@ def _reduce(tree: Tree, unit: int, take_grad: Callable[[], torch.Tensor]) -> Non
     h = tree.handles[unit]
     assert h is not None
     s = tree.settings
-    flags = step_flags(
-        h.carried.roles,
-        sync_gradients=s.sync_gradients,
-        requires_all_reduce=s.requires_all_reduce or not s.sync_gradients,
-    )
+    flags = step_flags(h.carried.roles, sync_gradients=s.sync_gradients, requires_all_reduce=s.requires_all_reduce)
     run = PlanRun(tree.plans(s.request(h.request, flags)), tree.runtime, h, take_grad(), s.comm_hook)
     with tree.log.during(Phase.POST_BACKWARD):
         run.run_hook_ops()

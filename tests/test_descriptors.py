@@ -166,10 +166,12 @@ def test_step_flags_say_which_carried_buffers_exist() -> None:
         sync_gradients=False,
         accumulate=True,
         pending_unsharded=True,
-        requires_all_reduce=False,
+        requires_all_reduce=True,  # inside no_sync nothing is reduced, so no all-reduce is deferred
         pending_partial=True,
         force_full_precision=True,
     )
+    deferred = step_flags(frozenset(), sync_gradients=True, requires_all_reduce=False)
+    assert deferred == StepFlags(requires_all_reduce=False)
     only_partial = step_flags(frozenset({InputRole.PENDING_PARTIAL}), sync_gradients=True, requires_all_reduce=True)
     assert only_partial == StepFlags(pending_partial=True)
 

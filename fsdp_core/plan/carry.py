@@ -53,9 +53,12 @@ def step_flags(
 
     ``accumulate``, ``pending_unsharded`` and ``pending_partial`` say whether ``SHARDED_GRAD``,
     ``PENDING_UNSHARDED`` and ``PENDING_PARTIAL`` are in ``carried``; the other flags are this
-    step's choices, passed through. Raises ``TypeError`` naming ``carried`` when it is not a
-    frozenset of ``InputRole``, and ``ValueError`` when it holds ``InputRole.GRAD`` (this
-    backward's gradient is produced, never carried).
+    step's choices, passed through, except that inside ``no_sync`` (``sync_gradients`` False)
+    nothing is reduced, so no all-reduce is deferred either: ``requires_all_reduce`` is True
+    there whatever was asked (one plan request per backward, whatever the hybrid setting).
+    Raises ``TypeError`` naming ``carried`` when it is not a frozenset of ``InputRole``, and
+    ``ValueError`` when it holds ``InputRole.GRAD`` (this backward's gradient is produced, never
+    carried).
     """
     if not isinstance(carried, frozenset) or not all(isinstance(r, InputRole) for r in carried):
         raise TypeError(f"carried: expected a frozenset of InputRole, got {carried!r}")
@@ -68,7 +71,7 @@ def step_flags(
         sync_gradients=sync_gradients,
         accumulate=InputRole.SHARDED_GRAD in carried,
         pending_unsharded=InputRole.PENDING_UNSHARDED in carried,
-        requires_all_reduce=requires_all_reduce,
+        requires_all_reduce=requires_all_reduce or not sync_gradients,
         pending_partial=InputRole.PENDING_PARTIAL in carried,
         force_full_precision=force_full_precision,
     )
