@@ -213,7 +213,7 @@ def _block_collectives(
     ``fsdp_shell.runtime.cpu.gloo_reduce_scatter``, the replicate all-reduce of one shard. Keys
     (collective, link); values (bytes as ``CollectiveSample.nbytes`` counts them, the issuer)."""
     from fsdp_shell.runtime.collectives import all_gather_flat
-    from fsdp_shell.runtime.cpu import gloo_receive_buffer, gloo_reduce_scatter
+    from fsdp_shell.runtime.cpu import gloo_reduce_scatter
 
     def waiter(work: dist.Work | None) -> Callable[[], None]:
         assert work is not None
@@ -242,9 +242,7 @@ def _block_collectives(
         def scatter(
             group: dist.ProcessGroup = group, full: torch.Tensor = full, size: int = size
         ) -> Callable[[], None]:
-            return gloo_reduce_scatter(
-                torch.empty(full.numel() // size), full, group, gloo_receive_buffer(full, may_overwrite_src=False)
-            ).wait
+            return gloo_reduce_scatter(torch.empty(full.numel() // size), full, group, torch.empty_like(full)).wait
 
         out[("all_gather", link)] = (padded * 4, gather)
         out[("reduce_scatter", link)] = (padded * 4, scatter)

@@ -111,7 +111,7 @@ from fsdp_shell import FSDP
 from fsdp_shell.predict import Prediction
 from fsdp_shell.predict.trace import TraceUnit, time_trace
 from fsdp_shell.runtime.collectives import all_gather_flat
-from fsdp_shell.runtime.cpu import gloo_receive_buffer, gloo_reduce_scatter
+from fsdp_shell.runtime.cpu import gloo_reduce_scatter
 from fsdp_shell.runtime.protocol import Pending
 from fsdp_shell.units.build import find_units, param_names, unit_params
 from tests.dist_harness import run_world
@@ -192,7 +192,7 @@ def _issuer(model: torch.nn.Module, size: Size) -> Callable[[], Pending]:
     if collective is Collective.REDUCE_SCATTER:
         src = torch.zeros(numel, dtype=dtype)
         dst = torch.zeros(numel // n, dtype=dtype)
-        chunks = gloo_receive_buffer(src, may_overwrite_src=False)
+        chunks = torch.empty_like(src)
         return lambda: gloo_reduce_scatter(dst, src, pg, chunks)
     tensor = torch.zeros(numel, dtype=dtype)
     return lambda: Pending(_work(dist.all_reduce(tensor, group=pg, async_op=True)))

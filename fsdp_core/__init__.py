@@ -11,6 +11,7 @@ This facade exports the descriptors, the plan and the all-gather schedule. The s
 timelines and whole iterations, which nothing at run time uses, is ``fsdp_core.sim``.
 """
 
+from fsdp_core.execution.lane import PLANS_IN_FLIGHT
 from fsdp_core.plan.carry import CARRIED_ROLES, carried_role, step_flags
 from fsdp_core.plan.comm import CommVolume, all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
@@ -41,7 +42,6 @@ from fsdp_core.plan.ops import (
 )
 from fsdp_core.plan.planner import (
     PLAN_BUILDERS,
-    PLANS_IN_FLIGHT,
     PlanCache,
     UnsoundPlanError,
     all_reduce_stream,

@@ -32,12 +32,12 @@ from fsdp_core import (
     CommHook,
     Division,
     HookEvent,
-    HybridAllReduce,
     PlanCache,
     PlanRequest,
     ShardingSpec,
     StepFlags,
 )
+from fsdp_core.execution import lane_issues_shard
 from fsdp_shell.options import Ignored, Options
 from fsdp_shell.runtime.device import checked_device_id, default_device, make_runtime
 from fsdp_shell.runtime.groups import ProcessGroups, duplicate_group, group_timeout, resolve_groups
@@ -201,7 +201,8 @@ def make_tree(
     groups = resolve_groups(options.strategy, process_group, device_mesh, "cpu" if device is None else device.type)
     if device is None:
         device = default_device(groups)
-    if options.hybrid_all_reduce is HybridAllReduce.SYNC and device.type == "cpu":
+    if lane_issues_shard(options.hybrid_all_reduce) and device.type == "cpu":
+        # the CPU lane issues shard-group reductions too: the all-gathers get a group of their own
         groups = dataclasses.replace(groups, gather=duplicate_group(groups.shard))
     ignored = Ignored() if ignored is None else ignored
     outside = is_wrapped

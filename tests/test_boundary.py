@@ -86,3 +86,18 @@ def test_only_the_runtime_names_torch_cuda() -> None:
     assert outside == []
     runtime = sorted(p.name for p in (shell / "runtime").glob("*.py") if "torch.cuda" in p.read_text())
     assert runtime == []
+
+
+def test_the_training_runtime_imports_no_model_of_itself() -> None:
+    """Training loads neither the memory model nor the simulator: the runtime and the models call
+    the same rules (``fsdp_core.execution``); the runtime does not ask a model of itself."""
+    code = (
+        "import sys\n"
+        "import fsdp_shell\n"
+        "from fsdp_shell import FullyShardedDataParallel\n"
+        "import fsdp_shell.runtime.cpu, fsdp_shell.runtime.accelerator, fsdp_shell.hooks, fsdp_shell.tree\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('fsdp_core.memory', 'fsdp_core.sim'))))\n"
+        "print('fsdp_core.execution.lane' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["[]", "True"]

@@ -28,11 +28,9 @@ from fsdp_core.memory.optimizer import (
     optimizer_step_bytes,
 )
 from fsdp_core.memory.plan_memory import (
-    GLOO_ALL_TO_ALL_MAX_BYTES,
     BackwardMemory,
     Executor,
     HookFootprint,
-    Place,
     PlanMemory,
     backward_footprints,
     backward_memory,
@@ -40,7 +38,6 @@ from fsdp_core.memory.plan_memory import (
     unsharded_param_bytes,
 )
 from fsdp_core.memory.unshard_memory import (
-    GLOO_ASYNC_GATHER_MAX_BYTES,
     GatherBytes,
     GatherWalk,
     UnshardFootprint,
@@ -52,8 +49,6 @@ from fsdp_core.memory.workspace import Workspaces, cuda_workspaces
 __all__ = [
     "CUDA_CACHING",
     "EXACT",
-    "GLOO_ALL_TO_ALL_MAX_BYTES",
-    "GLOO_ASYNC_GATHER_MAX_BYTES",
     "ActivationTrace",
     "Allocator",
     "BackwardMemory",
@@ -70,7 +65,6 @@ __all__ = [
     "OptimizerSpec",
     "Phase",
     "PhasePeak",
-    "Place",
     "PlanMemory",
     "TracePoint",
     "UnitSpec",

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import assert_never
 
+from fsdp_core.execution import lane_issues_shard
 from fsdp_core.memory.allocator import EXACT, Allocator
 from fsdp_core.memory.optimizer import OptimizedTensor, OptimizerSpec, optimizer_state_bytes, optimizer_step_bytes
 from fsdp_core.memory.plan_memory import Executor, HookFootprint, backward_memory
@@ -43,7 +44,7 @@ from fsdp_core.plan.carry import step_flags
 from fsdp_core.plan.ops import InputRole
 from fsdp_core.plan.planner import build_plan
 from fsdp_core.plan.request import Plan, PlanRequest
-from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce
+from fsdp_core.spec.config import BackwardPrefetch
 from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.unshard.schedule import AwaitGather, UnshardRequest, plan_unshard
 
@@ -478,7 +479,7 @@ class _StepWalk:
         self.zeroed = False
         """With ``use_orig_params``: ``zero_grad`` dropped the gradients' views since the last
         forward, so the root's next forward frees what they showed (``reclaim(at_forward=True)``)."""
-        self.lane_issues_shard = specs[0].request.hybrid_all_reduce is HybridAllReduce.SYNC
+        self.lane_issues_shard = lane_issues_shard(specs[0].request.hybrid_all_reduce)
         self.peaks: dict[tuple[Phase, int], PhasePeak] = {}
         self.recording = False
         """Whether this step's peaks are kept (the steady-state one)."""

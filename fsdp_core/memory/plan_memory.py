@@ -7,13 +7,12 @@ follow from the ops alone, given how the runtime returns a freed buffer (``Execu
   allocator's allocated bytes count it (a block kept by ``record_stream`` for another stream
   is not handed out again until that stream is done, but it is no longer counted as allocated
   by the plan's owner).
-- ``Executor.CPU_LANE`` (``fsdp_shell.runtime.cpu``): work that must wait for a replicate-group
-  collective runs on the lane; a ``Free`` of a buffer that lane work uses is returned only when
-  the host next waits for the lane: at the start of the plan ``PLANS_IN_FLIGHT`` plans later, or
-  at the end of backward. On the CPU the host is the device, so an ``Offload`` copies nothing:
-  its host buffer is the device buffer itself. A summing reduce-scatter on gloo holds a receive
-  buffer the size of its input while it runs, when the input is at most
-  ``GLOO_ALL_TO_ALL_MAX_BYTES`` or must survive it.
+- ``Executor.CPU_LANE`` (``fsdp_shell.runtime.cpu``): where each op runs and when a freed buffer
+  returns are ``fsdp_core.execution.lane.LaneOrder``'s decisions, the very ones the runtime
+  carries out; this walk folds over them. On the CPU the host is the device, so an ``Offload``
+  copies nothing: its host buffer is the device buffer itself. A reduce-scatter in the form
+  ``fsdp_core.execution.gloo.scatter_form`` calls ``ALL_TO_ALL`` holds a receive buffer the
+  size of its input while it runs.
 
 Every figure is relative to the moment before the plan starts, when its inputs (the new
 gradient from autograd, carried gradients) and the unsharded parameter are live already: the
@@ -23,10 +22,12 @@ plan decides when they go, so what it frees of them counts negative.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import itertools
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
+from fsdp_core.execution import LaneOrder, Place, scatter_form
 from fsdp_core.memory.allocator import EXACT, Allocator
 from fsdp_core.plan.ops import (
     Accumulate,
@@ -51,12 +52,9 @@ from fsdp_core.plan.ops import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan.planner import PLANS_IN_FLIGHT
-from fsdp_core.plan.request import Plan, PlanRequest, buffers_of
-from fsdp_core.spec.division import ReduceKind
+from fsdp_core.plan.request import Plan, PlanRequest, buffers_of, dies_after
 
 __all__ = [
-    "GLOO_ALL_TO_ALL_MAX_BYTES",
     "BackwardMemory",
     "Executor",
     "HookFootprint",
@@ -68,30 +66,12 @@ __all__ = [
     "unsharded_param_bytes",
 ]
 
-GLOO_ALL_TO_ALL_MAX_BYTES = 4 << 20
-"""Summing reduce-scatters on gloo with inputs up to this size go by all-to-all into a receive
-buffer the size of the input (``fsdp_shell.runtime.cpu.gloo_reduce_scatter``); larger ones
-reduce their input in place when it dies with them."""
-
 
 class Executor(enum.Enum):
     """How a runtime runs a plan's ops and returns the buffers it frees (module docstring)."""
 
     STREAMS = "streams"
     CPU_LANE = "cpu_lane"
-
-
-class Place(enum.Enum):
-    """Where the runtime runs one op of a plan."""
-
-    STREAM = "stream"
-    """On its stream (a device's streams)."""
-    HOST = "host"
-    """On the CPU's host thread, which waits for a collective there."""
-    LANE = "lane"
-    """On the CPU's lane thread, in order behind earlier lane work."""
-    HOST_AFTER_DRAIN = "host_after_drain"
-    """On the host thread, once it has waited for all the lane's work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +86,8 @@ class PlanMemory:
     for the lane; ``hook_peak``: the peak during the hook ops. ``inputs``: bytes of what the
     plan found (its ``Input`` ops); ``unsharded``: bytes of the unsharded parameter it frees;
     ``handed_off``: bytes it hands to the optimizer (they live on as the sharded gradient).
-    ``lane_keys``: the streams and groups with lane work at the end of the hook ops (behind for
-    the next plan); ``drained``: whether the hook ops waited for the whole lane (returning what
-    earlier plans had freed). ``places``: where each op ran (the iteration simulator times the
-    CPU runtime by it)."""
+    ``places``: where each op ran (the iteration simulator times the CPU runtime by it)."""
 
-    lane_keys: frozenset[Stream | Group]
-    drained: bool
     places: tuple[Place, ...]
 
     after: tuple[int, ...]
@@ -136,37 +111,45 @@ def unsharded_param_bytes(request: PlanRequest, allocator: Allocator = EXACT) ->
     return allocator.size(request.sharding.padded_numel(request.layout) * compute.itemsize) if own else 0
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Held:
+    """Memory a plan freed that the lane still uses: returned when the host has waited for it."""
+
+    plan: int
+    bytes: int
+
+
+_walks = itertools.count(1)
+"""Tells plans apart in a lane shared by several: their buffers' names repeat."""
+
+
 def plan_memory(
     plan: Plan,
     executor: Executor,
     *,
     lane_issues_shard: bool = False,
-    behind: frozenset[Stream | Group] = frozenset(),
-    earlier_deferred: int = 0,
+    lane: LaneOrder[_Held] | None = None,
     allocator: Allocator = EXACT,
 ) -> PlanMemory:
     """The plan's bytes op by op under ``executor``, each buffer as ``allocator`` sizes it.
-    ``lane_issues_shard``: the CPU lane issues shard-group collectives too when behind (the
-    all-gathers have a group of their own).
-    ``behind``: the streams and groups with lane work of earlier plans the host has not waited
-    for when this plan starts; ``earlier_deferred``: bytes earlier plans freed that are still to
-    be returned (a wait for the whole lane inside this plan returns them, counted here)."""
-    walk = _Walk(plan.ops, executor, lane_issues_shard, unsharded_param_bytes(plan.request, allocator), allocator)
-    walk.lane_streams.update(behind)
-    walk.earlier_deferred = earlier_deferred
+    ``lane_issues_shard``: the CPU lane issues shard-group collectives too when behind.
+    ``lane``: on the CPU, the lane as earlier plans of the backward left it (``backward_memory``;
+    default: an empty one); the hook ops go on with it, what they return of earlier plans'
+    memory counting negative. The ops after them run at the end of backward and are walked on
+    a copy, leaving ``lane`` as the next plan finds it."""
+    if lane is None:
+        lane = LaneOrder(lane_issues_shard=lane_issues_shard)
+    walk = _Walk(plan, executor, lane, unsharded_param_bytes(plan.request, allocator), allocator)
     hook_ops = len(plan.hook_ops)
     after_hook, hook_peak, returned_later = 0, 0, 0
     for index, op in enumerate(plan.ops):
         if index == hook_ops:
-            after_hook, hook_peak, returned_later = walk.live, walk.peak, walk.deferred_bytes
-            walk.end_hook()
+            after_hook, hook_peak, returned_later = walk.live, walk.peak, walk.own_pending
+            walk.lane = walk.lane.fork()
         walk.step(index, op)
     if hook_ops == len(plan.ops):
-        after_hook, hook_peak, returned_later = walk.live, walk.peak, walk.deferred_bytes
-        walk.end_hook()
+        after_hook, hook_peak, returned_later = walk.live, walk.peak, walk.own_pending
     return PlanMemory(
-        lane_keys=frozenset(walk.hook_lane_keys),
-        drained=walk.drained,
         places=tuple(walk.places),
         after=tuple(walk.after),
         peak=walk.peak,
@@ -185,25 +168,20 @@ class _Walk:
     """The plan's buffers as the runtime holds them, one op at a time."""
 
     def __init__(
-        self, ops: tuple[Op, ...], executor: Executor, lane_issues_shard: bool, unsharded: int, allocator: Allocator
+        self, plan: Plan, executor: Executor, lane: LaneOrder[_Held], unsharded: int, allocator: Allocator
     ) -> None:
-        self.ops = ops
+        self.ops = plan.ops
         self.allocator = allocator
         self.unsharded = unsharded
         self.unsharded_freed = 0
-        self.earlier_deferred = 0
-        self.drained = False
-        self.hook_lane_keys: set[Stream | Group] = set()
-        self.in_hook = True
         self.executor = executor
-        self.lane_issues = {Group.REPLICATE, Group.SHARD} if lane_issues_shard else {Group.REPLICATE}
+        self.cpu = executor is Executor.CPU_LANE
+        self.lane = lane
+        self.serial = next(_walks)
         self.held: dict[str, Buffer] = {}
         """By name, the buffers bound now, each with its own memory (aliases are in ``alias``)."""
         self.alias: dict[str, str] = {}
         """A buffer name bound to another's memory (the CPU's offload host buffer)."""
-        self.deferred: list[Buffer] = []
-        self.lane_streams: set[Stream | Group] = set()
-        self.lane_buffers: set[str] = set()
         self.live = 0
         self.peak = 0
         self.peak_op = -1
@@ -218,13 +196,14 @@ class _Walk:
 
     def _bytes(self, b: Buffer) -> int:
         """``b``'s bytes on the compute device: host buffers count where the host is the device."""
-        if b.device is Device.HOST and self.executor is not Executor.CPU_LANE:
+        if b.device is Device.HOST and not self.cpu:
             return 0
         return self.allocator.size(b.nbytes)
 
     @property
-    def deferred_bytes(self) -> int:
-        return sum(self._bytes(b) for b in self.deferred)
+    def own_pending(self) -> int:
+        """Bytes this plan freed that the lane still holds."""
+        return sum(h.bytes for h in self.lane.pending() if h.plan == self.serial)
 
     def _note(self, index: int, extra: int = 0) -> None:
         if self.live + extra > self.peak:
@@ -235,8 +214,12 @@ class _Walk:
             self.held[b.name] = b
             self.live += self._bytes(b)
 
-    def _memory_of(self, name: str) -> str:
-        return self.alias.get(name, name)
+    def _key(self, name: str) -> Hashable:
+        """The identity of ``name``'s memory in the lane."""
+        return (self.serial, self.alias.get(name, name))
+
+    def _uses(self, op: Op) -> tuple[Hashable, ...]:
+        return tuple(self._key(b.name) for b in buffers_of(op))
 
     def _free(self, b: Buffer) -> None:
         name = b.name
@@ -254,66 +237,39 @@ class _Walk:
         held = self.held.pop(name, None)
         if held is None:
             return
-        if self.executor is Executor.CPU_LANE and name in self.lane_buffers:
-            self.deferred.append(held)
-            return
-        self.live -= self._bytes(held)
+        if not self.cpu or self.lane.free(self._key(name), _Held(self.serial, self._bytes(held))):
+            self.live -= self._bytes(held)
 
-    def end_hook(self) -> None:
-        """The hook ops are done: what the lane holds now is the next plan's ``behind``."""
-        self.hook_lane_keys = set(self.lane_streams)
-        self.in_hook = False
+    def _returned(self, items: list[_Held]) -> None:
+        self.live -= sum(h.bytes for h in items)
 
     def _drain(self) -> None:
-        if self.in_hook:
-            self.drained = True
-        self.live -= self.earlier_deferred
-        self.earlier_deferred = 0
-        for b in self.deferred:
-            self.live -= self._bytes(b)
-        self.deferred = []
-        self.lane_streams.clear()
-        self.lane_buffers.clear()
+        self.place = Place.HOST_AFTER_DRAIN
+        self._returned(self.lane.drain())
 
-    # -- placement on the CPU lane (fsdp_shell.runtime.cpu.CpuRuntime) -------------------------
+    # -- placement on the CPU lane (fsdp_core.execution.lane.LaneOrder) ------------------------
 
-    def _behind(self, keys: tuple[Stream | Group, ...], uses: tuple[Buffer, ...]) -> bool:
-        return any(k in self.lane_streams for k in keys) or any(
-            self._memory_of(b.name) in self.lane_buffers for b in uses
-        )
+    def _compute(self, op: Op, stream: Stream) -> None:
+        if self.cpu:
+            self.place = self.lane.compute(stream, self._uses(op))
 
-    def _to_lane(self, keys: tuple[Stream | Group, ...], uses: tuple[Buffer, ...]) -> None:
-        self.place = Place.LANE
-        self.lane_streams.update(keys)
-        self.lane_buffers.update(self._memory_of(b.name) for b in uses)
-
-    def _compute(self, stream: Stream, uses: tuple[Buffer, ...]) -> None:
-        if self.executor is Executor.CPU_LANE and self._behind((stream,), uses):
-            self._to_lane((stream,), uses)
-
-    def _collective(self, stream: Stream, group: Group, uses: tuple[Buffer, ...]) -> bool:
-        """Place a collective; whether it went to the lane."""
-        if self.executor is not Executor.CPU_LANE:
-            return False
-        keys = (stream, group)
-        behind = self._behind(keys, uses)
-        if group is Group.REPLICATE or (behind and group in self.lane_issues):
-            self._to_lane(keys, uses)
-            return True
-        if behind:
+    def _collective(self, op: Op, stream: Stream, group: Group) -> Place:
+        if not self.cpu:
+            return Place.STREAM
+        place = self.lane.collective(stream, group, self._uses(op))
+        if place is Place.HOST_AFTER_DRAIN:
             self._drain()
-            self.place = Place.HOST_AFTER_DRAIN
-        return False
+        self.place = place
+        return place
 
-    def _on_host(self, uses: tuple[Buffer, ...]) -> None:
-        if self.executor is Executor.CPU_LANE and self._behind((), uses):
+    def _on_host(self, op: Op) -> None:
+        if self.cpu and self.lane.on_host(self._uses(op)) is Place.HOST_AFTER_DRAIN:
             self._drain()
-            self.place = Place.HOST_AFTER_DRAIN
 
     # -- the ops -------------------------------------------------------------------------------
 
     def step(self, index: int, op: Op) -> None:
-        self.place = Place.STREAM if self.executor is Executor.STREAMS else Place.HOST
+        self.place = Place.HOST if self.cpu else Place.STREAM
         match op:
             case Input():
                 self.held.setdefault(op.buffer.name, op.buffer)
@@ -324,43 +280,48 @@ class _Walk:
             case WaitStream() | RecordStream():
                 pass
             case EndOfBackwardWait():
-                if self.executor is Executor.CPU_LANE:
+                if self.cpu:
                     self._drain()
-                    self.place = Place.HOST_AFTER_DRAIN
             case Free():
                 self._free(op.buffer)
             case Cast() | Pad():
                 self._bind(op.dst)
-                self._compute(op.stream, buffers_of(op))
-            case Divide():
-                self._compute(op.stream, buffers_of(op))
-            case Accumulate():
-                self._compute(op.stream, buffers_of(op))
+                self._compute(op, op.stream)
+            case Divide() | Accumulate():
+                self._compute(op, op.stream)
             case ReduceScatter():
                 self._bind(op.dst)
                 scratch = self._scratch(index, op)
-                if self._collective(op.stream, op.group, buffers_of(op)) and scratch:
+                receive = Buffer(name=f"{op.dst.name}.receive", numel=op.src.numel, dtype=op.src.dtype)
+                uses = self._uses(op) + ((self._key(receive.name),) if scratch else ())
+                place = Place.STREAM
+                if self.cpu:
+                    place = self.lane.collective(op.stream, op.group, uses)
+                    if place is Place.HOST_AFTER_DRAIN:
+                        self._drain()
+                    self.place = place
+                if place is Place.LANE and scratch:
                     self.live += scratch
-                    self.deferred.append(Buffer(name=f"{op.dst.name}.receive", numel=op.src.numel, dtype=op.src.dtype))
+                    self.lane.free(self._key(receive.name), _Held(self.serial, scratch))
                 else:
                     self._note(index, scratch)
             case AllReduce():
-                self._collective(op.stream, op.group, buffers_of(op))
+                self._collective(op, op.stream, op.group)
             case CommHookCall():
                 self._bind(op.dst)
-                self._collective(op.stream, op.group, buffers_of(op))
+                self._collective(op, op.stream, op.group)
             case Offload():
                 if not op.accumulate:
-                    if self.executor is Executor.CPU_LANE:
-                        self.alias[op.dst.name] = self._memory_of(op.src.name)
+                    if self.cpu:
+                        self.alias[op.dst.name] = self.alias.get(op.src.name, op.src.name)
                     else:
                         self._bind(op.dst)
-                self._compute(op.stream, buffers_of(op))
+                self._compute(op, op.stream)
             case GradViews():
-                self._on_host(buffers_of(op))
+                self._on_host(op)
             case HandOff():
-                self._on_host(buffers_of(op))
-                memory = self.held.get(self._memory_of(op.buffer.name))
+                self._on_host(op)
+                memory = self.held.get(self.alias.get(op.buffer.name, op.buffer.name))
                 if memory is not None:
                     self.handed_off += self._bytes(memory)
             case _:
@@ -370,35 +331,26 @@ class _Walk:
         self.places.append(self.place)
 
     def _scratch(self, index: int, op: ReduceScatter) -> int:
-        """The receive buffer of a summing reduce-scatter on gloo (module docstring)."""
-        if self.executor is not Executor.CPU_LANE or op.reduce_op.kind is not ReduceKind.SUM:
+        """The receive buffer of the reduce-scatter's form on gloo (module docstring)."""
+        if not self.cpu:
             return 0
-        if op.src.nbytes > GLOO_ALL_TO_ALL_MAX_BYTES and self._dies_after(index, op.src):
-            return 0
-        return op.src.nbytes
-
-    def _dies_after(self, index: int, src: Buffer) -> bool:
-        """Whether no op after ``index`` uses ``src`` before the plan frees it (the interpreter's
-        ``src_dies``)."""
-        for op in self.ops[index + 1 :]:
-            if isinstance(op, Free) and op.buffer == src:
-                return True
-            if not isinstance(op, RecordStream) and src in buffers_of(op):
-                return False
-        return False
+        form = scatter_form(op.reduce_op.kind, op.src.nbytes, gloo=True, src_dies=dies_after(self.ops, index, op.src))
+        return op.src.nbytes if form.receive_buffer else 0
 
 
 @dataclass(frozen=True, slots=True)
 class HookFootprint:
     """One plan's post-backward hook within a backward: what it holds (``memory``, from its own
     start), ``returned_at_start``: bytes earlier plans freed that come back as it begins (the
-    host's wait for plans more than ``PLANS_IN_FLIGHT`` back), and from just before that, the
-    hook's ``peak`` and its ``net`` bytes."""
+    host's wait for plans more than ``PLANS_IN_FLIGHT`` back, through lane ticket
+    ``waited_through``; 0: no wait), and from just before that, the hook's ``peak`` and its
+    ``net`` bytes."""
 
     memory: PlanMemory
     returned_at_start: int
     peak: int
     net: int
+    waited_through: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,36 +366,21 @@ class BackwardMemory:
 def backward_memory(
     plans: Sequence[Plan], executor: Executor, *, lane_issues_shard: bool = False, allocator: Allocator = EXACT
 ) -> BackwardMemory:
-    """The post-backward hooks of one backward, in the order they run: each plan walked with
-    the lane as the earlier ones leave it (``Runtime.begin_plan``: at a plan's start the host
-    waits for the lane work of plans more than ``PLANS_IN_FLIGHT`` back and returns what they
-    freed). On a device's streams nothing carries over. The ops deferred to the end of backward
+    """The post-backward hooks of one backward, in the order they run, over one lane
+    (``LaneOrder``) as the runtime keeps it: at a plan's start (``begin_plan``) the host waits
+    for the lane work of plans more than ``PLANS_IN_FLIGHT`` back and returns what they freed.
+    On a device's streams nothing carries over. The ops deferred to the end of backward
     allocate and free nothing; there the host waits for the lane, returning what is left."""
     out: list[HookFootprint] = []
-    pending: list[int] = []
-    """Per earlier plan (by index), the bytes it freed that are not returned yet."""
-    for j, plan in enumerate(plans):
-        returned = 0
-        behind: frozenset[Stream | Group] = frozenset()
+    lane: LaneOrder[_Held] = LaneOrder(lane_issues_shard=lane_issues_shard)
+    for plan in plans:
+        returned, ticket = 0, 0
         if executor is Executor.CPU_LANE:
-            for k in range(j - PLANS_IN_FLIGHT):
-                returned += pending[k]
-                pending[k] = 0
-            for earlier in out[max(0, j - PLANS_IN_FLIGHT) :]:
-                behind |= earlier.memory.lane_keys
-        m = plan_memory(
-            plan,
-            executor,
-            lane_issues_shard=lane_issues_shard,
-            behind=behind,
-            earlier_deferred=sum(pending),
-            allocator=allocator,
-        )
-        if m.drained:
-            pending = [0] * len(pending)
-        pending.append(m.returned_later)
-        out.append(HookFootprint(m, returned, max(0, m.hook_peak - returned), m.after_hook - returned))
-    return BackwardMemory(tuple(out), sum(pending))
+            ticket = lane.begin_plan()
+            returned = sum(h.bytes for h in lane.waited_through(ticket))
+        m = plan_memory(plan, executor, lane=lane, allocator=allocator)
+        out.append(HookFootprint(m, returned, max(0, m.hook_peak - returned), m.after_hook - returned, ticket))
+    return BackwardMemory(tuple(out), sum(h.bytes for h in lane.pending()))
 
 
 def backward_footprints(

@@ -26,18 +26,12 @@ from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardAction, UnshardSchedule
 
 __all__ = [
-    "GLOO_ASYNC_GATHER_MAX_BYTES",
     "GatherBytes",
     "GatherWalk",
     "UnshardFootprint",
     "gather_bytes",
     "unshard_footprints",
 ]
-
-GLOO_ASYNC_GATHER_MAX_BYTES = 4 << 20
-"""On the CPU, all-gathers with outputs up to this size stay in flight while the host goes on
-(``fsdp_shell.runtime.cpu``); larger ones land before the call returns (gloo gathers through
-a temporary buffer of the output's size, which is not a tensor storage of ours)."""
 
 
 @dataclass(frozen=True, slots=True)

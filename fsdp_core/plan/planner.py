@@ -49,7 +49,6 @@ from fsdp_core.spec.division import DivideFactors, Division, divide_factors
 from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec, unsharded_views
 
 __all__ = [
-    "PLANS_IN_FLIGHT",
     "PLAN_BUILDERS",
     "PlanCache",
     "UnsoundPlanError",
@@ -264,14 +263,6 @@ def _replicate_all_reduce(d: Draft) -> Draft:
     assert d.factors is not None
     ar = AllReduce(buffer=d.grad, group=Group.REPLICATE, reduce_op=d.factors.all_reduce_op, stream=d.stream)
     return _post_divide(_emit(d, ar))
-
-
-PLANS_IN_FLIGHT = 1
-"""How many earlier units' post-backward plans may still have work outstanding when a unit's
-plan starts. A runtime that runs plan work out of program order (the CPU lane) waits there for
-the older ones and returns the memory they freed; so the unit before's hybrid all-reduce
-overlaps this unit's reduce-scatter and backward, and at most this many plans' buffers are held
-for work in flight (what the memory prediction prices)."""
 
 
 def all_reduce_stream(placement: HybridAllReduce) -> Stream:

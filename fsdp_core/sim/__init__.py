@@ -40,12 +40,11 @@ from fsdp_core.sim.iteration import (
     describe_plans,
     event_check_volume,
     flops_compute_ms,
-    group_link,
     model_of_units,
     simulate_iteration,
     unit_plans,
 )
-from fsdp_core.sim.links import Link, SimTask, run_tasks
+from fsdp_core.sim.links import Link, SimTask, group_link, run_tasks, span_link
 from fsdp_core.sim.pr106080 import (
     SEED_DECODER,
     SEED_ENCODER,
@@ -128,6 +127,7 @@ __all__ = [
     "simulate_iteration",
     "simulate_timeline",
     "slowdown",
+    "span_link",
     "timeline_to_json",
     "unit_plans",
 ]

@@ -59,9 +59,9 @@ from typing import assert_never
 
 import torch
 
+from fsdp_core.execution import Place, gather_waits, lane_issues_shard
 from fsdp_core.memory.model_memory import ActivationTrace, UnitSpec
-from fsdp_core.memory.plan_memory import Executor, Place, backward_memory
-from fsdp_core.memory.unshard_memory import GLOO_ASYNC_GATHER_MAX_BYTES
+from fsdp_core.memory.plan_memory import Executor, backward_memory
 from fsdp_core.plan.carry import step_flags
 from fsdp_core.plan.comm import CommVolume, all_gather_volume, comm_volume, ring_bytes
 from fsdp_core.plan.ops import (
@@ -85,10 +85,10 @@ from fsdp_core.plan.ops import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan.planner import PLANS_IN_FLIGHT, build_plan, plan_post_backward
+from fsdp_core.plan.planner import build_plan, plan_post_backward
 from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.sim.costs import CostModel
-from fsdp_core.sim.links import Link, SimTask, run_tasks
+from fsdp_core.sim.links import Link, SimTask, group_link, run_tasks, span_link
 from fsdp_core.sim.timeline import elementwise_bytes
 from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy, StepFlags
 from fsdp_core.spec.events import Event
@@ -107,7 +107,6 @@ __all__ = [
     "describe_plans",
     "event_check_volume",
     "flops_compute_ms",
-    "group_link",
     "model_of_units",
     "simulate_iteration",
     "unit_plans",
@@ -236,8 +235,8 @@ class IterationModel:
     thread (which does the compute, and issues and waits for a shard-group collective), on the
     lane thread (the replicate all-reduce and what must wait for it), or on the host after it
     has waited for the lane; at each plan's start the host waits for the lane work of plans more
-    than ``PLANS_IN_FLIGHT`` back; an all-gather runs on gloo's threads unless it is larger than
-    ``GLOO_ASYNC_GATHER_MAX_BYTES``, when the host waits for it."""
+    than ``PLANS_IN_FLIGHT`` back; an all-gather runs on gloo's threads unless
+    ``fsdp_core.execution.gather_waits``, when the host waits for it."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
     gathered_at_start: frozenset[int] = frozenset()
@@ -502,19 +501,6 @@ class _Label:
 _BACKWARD_EVENTS = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
 
 
-def group_link(group: Group, sharding: ShardingSpec, ranks_per_node: int) -> Link:
-    """The link ``group``'s collectives use when ``ranks_per_node`` consecutive ranks share a
-    node: the shard group is consecutive ranks, the replicate group one rank of each."""
-    match group:
-        case Group.SHARD:
-            span = sharding.shard_size
-        case Group.REPLICATE:
-            span = sharding.data_parallel_size
-        case _:
-            assert_never(group)
-    return Link.INTRA_NODE if span <= ranks_per_node else Link.INTER_NODE
-
-
 def unit_plans(
     units: int,
     strategy: ShardingStrategy,
@@ -561,8 +547,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
     sharding = None if some is None else some.request.sharding
     cpu = model.executor is Executor.CPU_LANE
     places = _cpu_places(model, request) if cpu else {}
-    lane_marks: list[int | None] = []
-    """The CPU lane's last task when each plan began."""
+    lane_tasks: list[int | None] = []
+    """By lane ticket - 1: the CPU lane's last task once that ticket's work was queued."""
 
     def link_of(group: Group) -> Link:
         assert sharding is not None
@@ -626,7 +612,7 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                         link = link_of(Group.SHARD)
                         given = model.units[action.unit].collectives
                         cost = given.all_gather_ms(link) if given else model.cost.collective_seconds(volume, link) * 1e3
-                        blocking = cpu and volume.output_bytes > GLOO_ASYNC_GATHER_MAX_BYTES
+                        blocking = cpu and gather_waits(volume.output_bytes)
                         gathered[action.unit] = add(
                             action.unit,
                             activity,
@@ -651,11 +637,9 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
         waits: dict[Stream, set[int]] = {}
         given = model.units[unit].collectives
         volumes = {v.op_index: v for v in comm_volume(plan)}
-        placed = places.get(unit, ())
-        if cpu:
-            if len(lane_marks) >= PLANS_IN_FLIGHT and (mark := lane_marks[-PLANS_IN_FLIGHT]) is not None:
-                host_waits.add(mark)
-            lane_marks.append(last_on.get(_LANE))
+        placed, waits_through = places.get(unit, ((), 0))
+        if cpu and waits_through > 0 and (mark := lane_tasks[waits_through - 1]) is not None:
+            host_waits.add(mark)
         current = 0
 
         def on_stream(stream: Stream, activity: Activity, ms: float, group: Group | None = None) -> None:
@@ -703,6 +687,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
         for index, op in enumerate(plan.hook_ops):
             current = index
             run_op(index, op)
+            if cpu and placed[index] is Place.LANE:
+                lane_tasks.append(last_on.get(_LANE))
 
     for event, unit in request.events:
         if unit < 0:
@@ -730,7 +716,7 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
             case _:
                 assert_never(event)
     if model.event_check and sharding is not None and (check := event_check_volume(sharding)).group_size > 1:
-        link = Link.INTRA_NODE if check.group_size <= model.ranks_per_node else Link.INTER_NODE
+        link = span_link(check.group_size, model.ranks_per_node)
         given = model.event_check_ms
         ms = model.cost.collective_seconds(check, link) * 1e3 if given is None else given
         add(request.root, Activity.EVENT_CHECK, Stream.COMPUTE, ms, link=link, after=tuple(awaited))
@@ -759,14 +745,15 @@ _LANE = "lane"
 """The queue of the CPU runtime's lane thread."""
 
 
-def _cpu_places(model: IterationModel, request: UnshardRequest) -> dict[int, tuple[Place, ...]]:
-    """Where the CPU runtime runs each op of each unit's plan, as ``backward_memory`` walks the
-    backward's plans in the order their hooks fire (the lane carried from plan to plan)."""
+def _cpu_places(model: IterationModel, request: UnshardRequest) -> dict[int, tuple[tuple[Place, ...], int]]:
+    """Where the CPU runtime runs each op of each unit's plan, and the lane ticket the host waits
+    through as the plan begins, as ``backward_memory`` walks the backward's plans in the order
+    their hooks fire (one ``LaneOrder`` carried from plan to plan)."""
     order = [u for e, u in request.events if e is Event.POST_BACKWARD and model.plans[u] is not None]
     plans = [p for u in order if (p := model.plans[u]) is not None]
-    sync = any(p.request.hybrid_all_reduce is HybridAllReduce.SYNC for p in plans)
+    sync = any(lane_issues_shard(p.request.hybrid_all_reduce) for p in plans)
     backward = backward_memory(plans, Executor.CPU_LANE, lane_issues_shard=sync)
-    return {u: hook.memory.places for u, hook in zip(order, backward.hooks)}
+    return {u: (hook.memory.places, hook.waited_through) for u, hook in zip(order, backward.hooks)}
 
 
 def _critical_path(tasks: Sequence[SimTask], times: Sequence[tuple[Fraction, Fraction]]) -> tuple[int, ...]:

@@ -41,8 +41,12 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import assert_never
 
-__all__ = ["Link", "SimTask", "run_tasks"]
+from fsdp_core.plan.ops import Group
+from fsdp_core.spec.layout import ShardingSpec
+
+__all__ = ["Link", "SimTask", "group_link", "run_tasks", "span_link"]
 
 
 class Link(enum.Enum):
@@ -52,6 +56,24 @@ class Link(enum.Enum):
     """The node's own fabric (NVLink/NVSwitch): a shard group that fits on one node."""
     INTER_NODE = "inter_node"
     """The network between nodes: any group with ranks on several nodes."""
+
+
+def span_link(ranks: int, ranks_per_node: int) -> Link:
+    """The link a collective over ``ranks`` consecutive ranks uses when ``ranks_per_node`` of them
+    share a node."""
+    return Link.INTRA_NODE if ranks <= ranks_per_node else Link.INTER_NODE
+
+
+def group_link(group: Group, sharding: ShardingSpec, ranks_per_node: int) -> Link:
+    """The link ``group``'s collectives use: the shard group is consecutive ranks, the replicate
+    group one rank of each shard group, spanning the whole world."""
+    match group:
+        case Group.SHARD:
+            return span_link(sharding.shard_size, ranks_per_node)
+        case Group.REPLICATE:
+            return span_link(sharding.data_parallel_size, ranks_per_node)
+        case _:
+            assert_never(group)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

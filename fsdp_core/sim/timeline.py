@@ -42,7 +42,7 @@ from fsdp_core.plan.ops import (
 from fsdp_core.plan.request import Plan
 from fsdp_core.problems import JsonValue
 from fsdp_core.sim.costs import CostModel
-from fsdp_core.sim.links import Link
+from fsdp_core.sim.links import Link, group_link
 from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardSchedule
 
@@ -64,17 +64,6 @@ class TimelineEntry:
 
 
 _BACKWARD_EVENTS = (Event.PRE_BACKWARD, Event.POST_BACKWARD)
-
-
-def _link(group: Group) -> Link:
-    """The link ``group`` uses here: one shard group per node (intra-node), replicas across nodes."""
-    match group:
-        case Group.SHARD:
-            return Link.INTRA_NODE
-        case Group.REPLICATE:
-            return Link.INTER_NODE
-        case _:
-            assert_never(group)
 
 
 def elementwise_bytes(op: Op) -> int:
@@ -147,8 +136,14 @@ def simulate_timeline(
             )
         hooks = tuple(h for h in unshard.request.events if h.event in _BACKWARD_EVENTS)
     volumes = {v.op_index: v for v in comm_volume(plan)}
+    sharding = plan.request.sharding
+
+    def link(group: Group) -> Link:
+        """One shard group per node (intra-node), replicas across nodes."""
+        return group_link(group, sharding, ranks_per_node=sharding.shard_size)
+
     gather = all_gather_volume(plan.request)
-    gather_seconds = cost.collective_latency if gather is None else cost.collective_seconds(gather, _link(Group.SHARD))
+    gather_seconds = cost.collective_latency if gather is None else cost.collective_seconds(gather, link(Group.SHARD))
     now = dict.fromkeys(Stream, 0.0)
     busy = dict.fromkeys(Group, 0.0)
     gathered: dict[int, float] = {}
@@ -164,7 +159,7 @@ def simulate_timeline(
                 duration = 0.0
             case ReduceScatter() | AllReduce() | CommHookCall():
                 v = volumes[index]
-                duration = cost.collective_seconds(v, _link(v.group))
+                duration = cost.collective_seconds(v, link(v.group))
                 start = max(start, busy[v.group])
                 busy[v.group] = start + duration
             case Offload():

@@ -53,6 +53,7 @@ from fsdp_core import (  # noqa: E402
     plan_unshard,
     unshard_to_json,
 )
+from fsdp_core.execution import lane_issues_shard  # noqa: E402
 from fsdp_core.memory import Executor, PlanMemory, plan_memory  # noqa: E402
 from fsdp_core.problems import JsonValue  # noqa: E402
 from fsdp_core.sim import CostModel, describe_cost, format_timeline, simulate_timeline, timeline_to_json  # noqa: E402
@@ -330,7 +331,7 @@ def _executor(args: argparse.Namespace) -> Executor:
 def _memory(plan: Plan, executor: Executor) -> PlanMemory:
     """As the runtime holds it: on the CPU a sync hybrid all-reduce gives the all-gathers a
     group of their own, so the lane issues shard-group reductions too."""
-    return plan_memory(plan, executor, lane_issues_shard=plan.request.hybrid_all_reduce is HybridAllReduce.SYNC)
+    return plan_memory(plan, executor, lane_issues_shard=lane_issues_shard(plan.request.hybrid_all_reduce))
 
 
 def _memory_table(plan: Plan, executor: Executor) -> str:

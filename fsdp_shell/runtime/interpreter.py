@@ -39,7 +39,7 @@ from fsdp_core import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan.request import buffers_of
+from fsdp_core.plan.request import dies_after
 from fsdp_shell.runtime.protocol import Runtime
 
 __all__ = ["CommHookFn", "PlanOwner", "PlanRun"]
@@ -155,7 +155,9 @@ class PlanRun:
             case ReduceScatter():
                 src = self._tensor(op.src)
                 dst = self._alloc(op.dst, op.stream, src)
-                rt.reduce_scatter(op.stream, op.group, dst, src, op.reduce_op, src_dies=self._dies_after(index, op.src))
+                rt.reduce_scatter(
+                    op.stream, op.group, dst, src, op.reduce_op, src_dies=dies_after(self.plan.ops, index, op.src)
+                )
             case AllReduce():
                 rt.all_reduce(op.stream, op.group, self._tensor(op.buffer), op.reduce_op)
             case CommHookCall():
@@ -191,15 +193,6 @@ class PlanRun:
             raise RuntimeError(f"the plan run has finished; no carried {op.role.value} gradient to take")
         else:
             self._buffers[op.buffer.name] = self._owner.take_carried(op.role)
-
-    def _dies_after(self, index: int, src: Buffer) -> bool:
-        """Whether no op after ``index`` reads or writes ``src`` before the plan frees it."""
-        for op in self.plan.ops[index + 1 :]:
-            if isinstance(op, Free) and op.buffer == src:
-                return True
-            if not isinstance(op, RecordStream) and src in buffers_of(op):
-                return False
-        return False
 
     def _hook_call(self, op: CommHookCall) -> None:
         hook = self._comm_hook

@@ -1,0 +1,186 @@
+"""Where the CPU runtime runs each op of a plan, and when it returns the memory a plan frees.
+
+There is no device queue on a CPU, so an op runs on the host thread that reaches it, unless it
+must wait for a collective in flight: then it goes to the *lane*, one FIFO worker thread that
+waits for the collective and runs what depends on it while the hook returns and autograd goes
+on. Lane work is numbered by a *ticket* in submission order.
+
+The rules (``LaneOrder``, one method each):
+
+- **Behind.** Work is behind when a stream or group it runs on, or a tensor it uses, has lane
+  work the host has not waited for.
+- ``compute``: work behind goes to the lane (stream order, as on a CUDA stream: the next unit's
+  cast waits behind this unit's all-reduce on the post-backward stream); other work runs on the
+  host.
+- ``collective``: the replicate group's collectives always go to the lane (the slow inter-node
+  all-reduce overlaps later backward work). A shard-group collective that is behind goes to the
+  lane when the lane issues that group too (``lane_issues_shard``); otherwise the host first
+  waits for the whole lane (``Place.HOST_AFTER_DRAIN``) and then issues it itself: a shard-group
+  reduction left in flight would hold a unit's unsharded gradient while the next unit's backward
+  allocates its own, which on a CPU buys no speed on gloo and costs that much peak memory over
+  FSDP1. Either way each group's collectives are issued by one thread at a time, in program
+  order, so they pair up across ranks whatever the timing.
+- ``on_host``: work that touches the parameter or its ``.grad`` runs on the host, after the whole
+  lane when it is behind.
+- ``free``: a buffer lane work still uses is returned only when the host has waited for that
+  work; others at once.
+- ``begin_plan``: when a plan starts, the host waits for the lane work of plans more than
+  ``PLANS_IN_FLIGHT`` back, and only then returns what they freed.
+- ``drain``: at the end of backward (and before a shard-group collective behind) the host waits
+  for everything.
+
+What the host "has waited for" moves only at ``begin_plan`` and ``drain``, never because the lane
+happens to be done, so where work runs and when memory returns follow from program order alone:
+the memory model and the simulator fold over this same class and predict the runtime exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Generic, TypeVar
+
+from fsdp_core.plan.ops import Group, Stream
+from fsdp_core.spec.config import HybridAllReduce
+
+__all__ = ["PLANS_IN_FLIGHT", "LaneOrder", "Place", "lane_issues_shard"]
+
+PLANS_IN_FLIGHT = 1
+"""How many earlier units' post-backward plans may still have lane work outstanding when a
+unit's plan starts: the unit before's hybrid all-reduce overlaps this unit's reduce-scatter and
+backward, and at most this many plans' buffers are held for work in flight."""
+
+T = TypeVar("T")
+
+Key = Stream | Group
+
+
+class Place(enum.Enum):
+    """Where the runtime runs one op of a plan."""
+
+    STREAM = "stream"
+    """On its stream (a device's streams)."""
+    HOST = "host"
+    """On the CPU's host thread, which waits for a collective there."""
+    LANE = "lane"
+    """On the CPU's lane thread, in order behind earlier lane work."""
+    HOST_AFTER_DRAIN = "host_after_drain"
+    """On the host thread, once it has waited for all the lane's work."""
+
+
+def lane_issues_shard(hybrid_all_reduce: HybridAllReduce) -> bool:
+    """Whether the CPU lane issues shard-group reductions too: with the replicate all-reduce on the
+    post-backward stream (``SYNC``) the next reduce-scatter queues behind it, and the host must
+    not block on it; the all-gathers then get a group of their own, so that each group keeps one
+    issuer."""
+    return hybrid_all_reduce is HybridAllReduce.SYNC
+
+
+class LaneOrder(Generic[T]):
+    """The lane's placement state and its decisions (module docstring).
+
+    Uses are any hashable identity of a buffer (the runtime: a tensor's ``id``; the memory model:
+    a buffer's name in its plan). What a ``free`` defers is an item of the caller's (``T``), given
+    back by ``begin_plan``'s wait (``waited_through``) or ``drain`` when its memory returns."""
+
+    def __init__(self, *, lane_issues_shard: bool = False) -> None:
+        self.lane_issues_shard = lane_issues_shard
+        self._lane_groups = frozenset({Group.REPLICATE, Group.SHARD} if lane_issues_shard else {Group.REPLICATE})
+        self.submitted = 0
+        """The ticket of the last work sent to the lane (0: none)."""
+        self.waited = 0
+        """The host has waited for the lane work through this ticket."""
+        self._tail: dict[Key, int] = {}
+        self._last_use: dict[Hashable, int] = {}
+        self._plan_marks: deque[int] = deque(maxlen=PLANS_IN_FLIGHT + 1)
+        self._frees: list[tuple[int, T]] = []
+        self.most_plans_in_flight = 0
+        """The most plans whose lane work the host had not waited for when a plan began (the
+        bound's witness, for tests)."""
+
+    def fork(self) -> LaneOrder[T]:
+        """An independent copy of the state (the items deferred are shared)."""
+        other: LaneOrder[T] = LaneOrder(lane_issues_shard=self.lane_issues_shard)
+        other.submitted, other.waited = self.submitted, self.waited
+        other._tail, other._last_use = dict(self._tail), dict(self._last_use)
+        other._plan_marks.extend(self._plan_marks)
+        other._frees = list(self._frees)
+        other.most_plans_in_flight = self.most_plans_in_flight
+        return other
+
+    def behind(self, keys: Iterable[Key], uses: Iterable[Hashable]) -> bool:
+        """Whether work on ``keys`` using ``uses`` must wait for lane work not yet waited for."""
+        waited = self.waited
+        return any(self._tail.get(k, 0) > waited for k in keys) or any(self._last_use.get(u, 0) > waited for u in uses)
+
+    def keys_behind(self) -> frozenset[Key]:
+        """The streams and groups with lane work the host has not waited for."""
+        return frozenset(k for k, t in self._tail.items() if t > self.waited)
+
+    def _to_lane(self, keys: Iterable[Key], uses: Iterable[Hashable]) -> Place:
+        self.submitted += 1
+        for key in keys:
+            self._tail[key] = self.submitted
+        for use in uses:
+            self._last_use[use] = self.submitted
+        return Place.LANE
+
+    def compute(self, stream: Stream, uses: tuple[Hashable, ...]) -> Place:
+        """Element-wise work on ``stream``: ``LANE`` (its ticket is ``submitted``) or ``HOST``."""
+        if self.behind((stream,), uses):
+            return self._to_lane((stream,), uses)
+        return Place.HOST
+
+    def collective(self, stream: Stream, group: Group, uses: tuple[Hashable, ...]) -> Place:
+        """A collective on ``group``: ``LANE``, ``HOST``, or ``HOST_AFTER_DRAIN`` (the caller then
+        waits for the whole lane and calls ``drain`` before issuing it)."""
+        keys = (stream, group)
+        behind = self.behind(keys, uses)
+        if group is Group.REPLICATE or (behind and group in self._lane_groups):
+            return self._to_lane(keys, uses)
+        return Place.HOST_AFTER_DRAIN if behind else Place.HOST
+
+    def on_host(self, uses: tuple[Hashable, ...]) -> Place:
+        """Host work on ``uses``: ``HOST``, or ``HOST_AFTER_DRAIN`` (the caller drains first)."""
+        return Place.HOST_AFTER_DRAIN if self.behind((), uses) else Place.HOST
+
+    def free(self, use: Hashable, item: T) -> bool:
+        """A plan frees the buffer ``use``: True when its memory returns now, else ``item`` is kept
+        until the host has waited for the lane work that last used it."""
+        ticket = self._last_use.get(use, 0)
+        if ticket > self.waited:
+            self._frees.append((ticket, item))
+            return False
+        return True
+
+    def pending(self) -> list[T]:
+        """What is freed and not yet returned, oldest first."""
+        return [item for _, item in self._frees]
+
+    def begin_plan(self) -> int:
+        """A plan starts: the ticket the host must wait through now (``<= waited``: none); the
+        caller waits, then calls ``waited_through`` with it."""
+        marks = self._plan_marks
+        marks.append(self.submitted)
+        in_flight = sum(1 for m in list(marks)[1:] if m > self.waited)
+        self.most_plans_in_flight = max(self.most_plans_in_flight, in_flight)
+        return marks[0] if len(marks) == marks.maxlen else 0
+
+    def waited_through(self, ticket: int) -> list[T]:
+        """The host has waited for the lane work through ``ticket``: what returns now."""
+        if ticket <= self.waited:
+            return []
+        self.waited = ticket
+        due = [item for t, item in self._frees if t <= ticket]
+        self._frees = [(t, item) for t, item in self._frees if t > ticket]
+        return due
+
+    def drain(self) -> list[T]:
+        """The host has waited for the whole lane: what returns now (everything pending)."""
+        self._tail.clear()
+        self._last_use.clear()
+        self._plan_marks.clear()
+        self.waited = self.submitted
+        due, self._frees = [item for _, item in self._frees], []
+        return due
