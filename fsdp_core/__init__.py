@@ -94,6 +94,7 @@ from fsdp_core.unshard.schedule import (
     UnshardStep,
     action_name,
     plan_unshard,
+    unshard_request,
 )
 from fsdp_core.unshard.verifier import check_unshard
 
@@ -178,6 +179,7 @@ __all__ = [
     "plan_to_json",
     "plan_unshard",
     "step_flags",
+    "unshard_request",
     "unshard_to_json",
     "unsharded_views",
 ]

@@ -239,7 +239,7 @@ def end_of_backward(tree: Tree) -> None:
         finally:
             _finish_units(tree, it)
             tree.iteration = IterationState()
-        tree.unshard.end_backward()
+        tree.unshard.end_backward(sync_gradients=tree.settings.sync_gradients)
 
 
 def _finish_units(tree: Tree, it: IterationState) -> None:

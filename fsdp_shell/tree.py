@@ -251,10 +251,8 @@ def make_tree(
     unshard = UnshardRunner(
         handles,
         len(handles) - 1,
-        reshard_after_forward=strategy.reshards_after_forward_with(
-            any(h.compute_dtype != h.orig_dtype for h in handles if h is not None)
-        ),
-        reshard_after_backward=strategy.is_sharded,
+        strategy=strategy,
+        low_precision=any(h.compute_dtype != h.orig_dtype for h in handles if h is not None),
         backward_prefetch=options.backward_prefetch,
         forward_prefetch=options.forward_prefetch,
     )

@@ -269,7 +269,7 @@ def _chain(
         UnshardRequest.chain(
             units,
             reshard_after_forward=reshard_after_forward,
-            reshard_after_backward=True,
+            plan_reshards=True,
             backward_prefetch=prefetch,
             forward_prefetch=forward_prefetch,
         )

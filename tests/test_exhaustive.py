@@ -275,7 +275,13 @@ def test_simulated_world_runs_every_kind(kind: type) -> None:
 # -- every action kind through every consumer ------------------------------------------------
 
 SCHEDULE_REQUEST = UnshardRequest(
-    units=1, root=0, forward_order=(0,), backward_order=(0,), reshard_after_forward=False, reshard_after_backward=True
+    units=1,
+    root=0,
+    forward_order=(0,),
+    backward_order=(0,),
+    reshard_after_forward=False,
+    plan_reshards=True,
+    reshard_at_end_of_backward=True,
 )
 
 
@@ -327,8 +333,8 @@ def test_every_action_kind_through_every_consumer(kind: type) -> None:
     runner = UnshardRunner(
         [cast(FlatParamHandle, handle)],
         0,
-        reshard_after_forward=False,
-        reshard_after_backward=True,
+        strategy=ShardingStrategy.SHARD_GRAD_OP,
+        low_precision=False,
         backward_prefetch=None,
         forward_prefetch=False,
     )

@@ -173,7 +173,7 @@ def test_ranks_differ_by_their_padding() -> None:
 def test_a_user_given_trace_chains_the_units() -> None:
     """``ActivationTrace.chain``: each unit's saved bytes from its forward to its post-backward,
     its gradient taken there; the root's forward around the others."""
-    request = UnshardRequest.chain(2, reshard_after_forward=True, reshard_after_backward=True)
+    request = UnshardRequest.chain(2, reshard_after_forward=True, plan_reshards=True)
     trace = ActivationTrace.chain(request, saved=[30, 200], grads=[120, 400], inputs=64)
     assert trace.forward_order == (0, 1)
     assert trace.backward_order == (0, 1)

@@ -80,7 +80,7 @@ def test_bad_arguments() -> None:
 def _chain(prefetch: BackwardPrefetch | None, units: int = 4, reshard_after_forward: bool = True) -> UnshardSchedule:
     return plan_unshard(
         UnshardRequest.chain(
-            units, reshard_after_forward=reshard_after_forward, reshard_after_backward=True, backward_prefetch=prefetch
+            units, reshard_after_forward=reshard_after_forward, plan_reshards=True, backward_prefetch=prefetch
         )
     )
 

@@ -57,7 +57,7 @@ def chain(
     return UnshardRequest.chain(
         units,
         reshard_after_forward=raf,
-        reshard_after_backward=rab,
+        plan_reshards=rab,
         backward_prefetch=prefetch,
         forward_prefetch=forward_prefetch,
     )
@@ -153,7 +153,7 @@ BACKWARD_KEEP: list[Row] = [(ev, u, ()) for ev, u, _ in BACKWARD_NONE]
         (chain(forward_prefetch=True), FORWARD_PREFETCHED + BACKWARD_PRE),
         (chain(prefetch=POST, forward_prefetch=True), FORWARD_PREFETCHED + BACKWARD_POST),
         (chain(prefetch=None, forward_prefetch=True), FORWARD_PREFETCHED + BACKWARD_NONE),
-        # reshard_after_backward changes no action (the post-backward plan reshards), only the check.
+        # plan_reshards changes no action (the post-backward plan reshards), only the check.
         (chain(rab=False), FORWARD_FULL_SHARD + BACKWARD_PRE),
         (chain(raf=False), FORWARD_KEEP + BACKWARD_KEEP),
         (chain(raf=False, prefetch=POST), FORWARD_KEEP + BACKWARD_KEEP),
@@ -210,7 +210,8 @@ def test_unrecorded_units_and_events_get_the_on_demand_actions() -> None:
             forward_order=(),
             backward_order=(),
             reshard_after_forward=True,
-            reshard_after_backward=True,
+            plan_reshards=True,
+            reshard_at_end_of_backward=True,
         )
     )
     assert empty.steps == ()
@@ -230,7 +231,8 @@ def test_unrecorded_units_and_events_get_the_on_demand_actions() -> None:
             forward_order=(0, 1, 2, 3),
             backward_order=(0, 2, 1),
             reshard_after_forward=True,
-            reshard_after_backward=True,
+            plan_reshards=True,
+            reshard_at_end_of_backward=True,
             forward_prefetch=True,
         )
     )
@@ -257,7 +259,8 @@ def test_prefetch_targets_only_units_that_need_gathering() -> None:
         forward_order=(0, 1, 2),
         backward_order=(1, 0, 2),
         reshard_after_forward=True,
-        reshard_after_backward=True,
+        plan_reshards=True,
+        reshard_at_end_of_backward=True,
     )
     schedule = plan_unshard(req)
     assert schedule.actions(E.PRE_BACKWARD, 1) == (g(1), a(1))
@@ -272,7 +275,8 @@ def test_prefetch_targets_only_units_that_need_gathering() -> None:
             forward_order=(),
             backward_order=(0, 1),
             reshard_after_forward=False,
-            reshard_after_backward=True,
+            plan_reshards=True,
+            reshard_at_end_of_backward=True,
         )
     )
     assert cold.actions(E.PRE_BACKWARD, 0) == (g(0), a(0), g(1))
@@ -365,7 +369,7 @@ def test_every_unshard_rule_has_a_test_above() -> None:
 
 
 def test_the_post_backward_reshard_is_modelled() -> None:
-    # With reshard_after_backward the post-backward plan frees unit 3: resharding it again fails,
+    # With plan_reshards the post-backward plan frees unit 3: resharding it again fails,
     # and gathering it again for a later use is allowed.
     assert broken({(E.POST_BACKWARD, 3): (r(3),)}) == [(Rule.UNSAFE_RESHARD, 10)]
     assert broken({(E.POST_BACKWARD, 3): (r(3),)}, chain(rab=False)) == []
@@ -397,7 +401,8 @@ def _request(**changes: object) -> UnshardRequest:
         "forward_order": (0, 1, 2),
         "backward_order": (0, 2, 1),
         "reshard_after_forward": True,
-        "reshard_after_backward": True,
+        "plan_reshards": True,
+        "reshard_at_end_of_backward": True,
     }
     fields.update(changes)
     return UnshardRequest(**fields)  # type: ignore[arg-type]  # deliberately ill-typed values
@@ -415,7 +420,8 @@ def _request(**changes: object) -> UnshardRequest:
         ({"forward_order": (0, 0)}, ValueError, "forward_order"),
         ({"backward_order": (0, False)}, ValueError, "backward_order"),
         ({"reshard_after_forward": 1}, TypeError, "reshard_after_forward"),
-        ({"reshard_after_backward": None}, TypeError, "reshard_after_backward"),
+        ({"plan_reshards": None}, TypeError, "plan_reshards"),
+        ({"reshard_at_end_of_backward": 0}, TypeError, "reshard_at_end_of_backward"),
         ({"forward_prefetch": "yes"}, TypeError, "forward_prefetch"),
         ({"backward_prefetch": "BACKWARD_PRE"}, TypeError, "backward_prefetch"),
     ],
@@ -481,7 +487,8 @@ def requests(draw: st.DrawFn) -> UnshardRequest:
         forward_order=forward,
         backward_order=backward,
         reshard_after_forward=draw(st.booleans()),
-        reshard_after_backward=draw(st.booleans()),
+        plan_reshards=draw(st.booleans()),
+        reshard_at_end_of_backward=draw(st.booleans()),
         backward_prefetch=draw(st.sampled_from([None, PRE, POST])),
         forward_prefetch=draw(st.booleans()),
     )

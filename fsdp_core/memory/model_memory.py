@@ -46,7 +46,7 @@ from fsdp_core.plan.planner import build_plan
 from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.spec.config import BackwardPrefetch
 from fsdp_core.spec.events import Event, HookEvent
-from fsdp_core.unshard.schedule import AwaitGather, UnshardRequest, plan_unshard
+from fsdp_core.unshard.schedule import AwaitGather, UnshardRequest, plan_unshard, unshard_request
 
 __all__ = [
     "ActivationTrace",
@@ -340,17 +340,17 @@ class ModelMemoryRequest:
 
     @property
     def unshard(self) -> UnshardRequest:
-        """The all-gather schedule's request from the trace's orders, as the shell records it."""
+        """The all-gather schedule's request from the trace's orders, as the shell records it on its
+        first forward-backward (inside ``no_sync`` when accumulating)."""
         specs = [u for u in self.units if u is not None]
-        strategy = specs[0].request.sharding.strategy
-        low = any(u.request.compute_dtype != u.request.layout.dtype for u in specs)
-        return UnshardRequest(
+        return unshard_request(
             units=len(self.units),
             root=self.root,
             forward_order=tuple(u for u in self.trace.forward_order if self.units[u] is not None),
             backward_order=tuple(u for u in self.trace.backward_order if self.units[u] is not None),
-            reshard_after_forward=strategy.reshards_after_forward_with(low),
-            reshard_after_backward=strategy.is_sharded,
+            strategy=specs[0].request.sharding.strategy,
+            low_precision=any(u.request.compute_dtype != u.request.layout.dtype for u in specs),
+            sync_gradients=self.accumulate == 1,
             backward_prefetch=self.backward_prefetch,
             forward_prefetch=self.forward_prefetch,
         )

@@ -139,10 +139,9 @@ class PlanRequest:
         the post-backward, except ZeRO-2 strategies inside ``no_sync``, which keep it to avoid
         all-gathering again in the next accumulation step. ``NO_SHARD`` with a compute dtype of
         its own frees its low-precision copy in every post-backward (FSDP1's ``post_reshard``)."""
-        strategy = self.sharding.strategy
-        if not strategy.is_sharded:
-            return self.compute_dtype != self.layout.dtype
-        return self.reshards_after_backward
+        return self.sharding.strategy.plan_reshards(
+            low_precision=self.compute_dtype != self.layout.dtype, sync_gradients=self.flags.sync_gradients
+        )
 
     @property
     def reshards_after_backward(self) -> bool:

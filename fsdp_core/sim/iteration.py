@@ -93,7 +93,7 @@ from fsdp_core.sim.timeline import elementwise_bytes
 from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy, StepFlags
 from fsdp_core.spec.events import Event
 from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
-from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardRequest, plan_unshard
+from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardRequest, plan_unshard, unshard_request
 
 __all__ = [
     "Activity",
@@ -538,7 +538,7 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
     request = model.unshard or UnshardRequest.chain(
         len(model.units),
         reshard_after_forward=True,
-        reshard_after_backward=True,
+        plan_reshards=True,
         backward_prefetch=model.backward_prefetch,
         forward_prefetch=model.forward_prefetch,
     )
@@ -849,14 +849,14 @@ def model_of_units(
         raise ValueError(f"compute_ms: expected one (forward, backward) per unit ({len(units)}), got {len(compute_ms)}")
     specs = [u for u in units if u is not None]
     strategy = specs[0].request.sharding.strategy
-    low = any(u.request.compute_dtype != u.request.layout.dtype for u in specs)
-    unshard = UnshardRequest(
+    unshard = unshard_request(
         units=len(units),
         root=root,
         forward_order=tuple(u for u in trace.forward_order if units[u] is not None),
         backward_order=tuple(u for u in trace.backward_order if units[u] is not None),
-        reshard_after_forward=strategy.reshards_after_forward_with(low),
-        reshard_after_backward=strategy.is_sharded,
+        strategy=strategy,
+        low_precision=any(u.request.compute_dtype != u.request.layout.dtype for u in specs),
+        sync_gradients=sync,
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
     )

@@ -88,6 +88,16 @@ class ShardingStrategy(enum.Enum):
         accumulation step (FSDP1's ``_should_free_in_backward`` for the sharded ones)."""
         return sync_gradients or self.reshards_after_forward
 
+    def plan_reshards(self, *, low_precision: bool, sync_gradients: bool) -> bool:
+        """Whether the post-backward plan frees the unsharded parameter in its hook (FSDP1's
+        ``_should_free_in_backward``): sharded strategies as ``reshards_after_backward`` says, so
+        not the ZeRO-2 ones inside ``no_sync``, which keep it for the next accumulation step;
+        ``NO_SHARD`` frees a low-precision copy of its own in every post-backward (FSDP1's
+        ``post_reshard``) and has nothing else to free."""
+        if not self.is_sharded:
+            return low_precision
+        return self.reshards_after_backward(sync_gradients)
+
     @classmethod
     def parse(cls, name: str) -> ShardingStrategy:
         """Return the member called ``name`` (case-insensitive), or raise ``ValueError``."""

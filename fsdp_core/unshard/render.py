@@ -18,7 +18,10 @@ def format_unshard(schedule: UnshardSchedule) -> str:
     r = schedule.request
     prefetch = "none" if r.backward_prefetch is None else r.backward_prefetch.name
     after_forward = "reshard (not the root)" if r.reshard_after_forward else "keep"
-    after_backward = "reshard (by the post-backward plan)" if r.reshard_after_backward else "keep"
+    if r.plan_reshards:
+        after_backward = "reshard (by the post-backward plan)"
+    else:
+        after_backward = "reshard at its end" if r.reshard_at_end_of_backward else "keep"
     lines = [
         f"all-gather schedule: {r.units} unit(s), root {r.root}; backward_prefetch {prefetch}, "
         f"forward_prefetch {r.forward_prefetch}",
@@ -55,7 +58,8 @@ def unshard_to_json(schedule: UnshardSchedule, problems: list[Problem] | None = 
         "forward_order": list(r.forward_order),
         "backward_order": list(r.backward_order),
         "reshard_after_forward": r.reshard_after_forward,
-        "reshard_after_backward": r.reshard_after_backward,
+        "plan_reshards": r.plan_reshards,
+        "reshard_at_end_of_backward": r.reshard_at_end_of_backward,
         "backward_prefetch": None if r.backward_prefetch is None else r.backward_prefetch.name,
         "forward_prefetch": r.forward_prefetch,
         "steps": steps,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Union, assert_never
 
-from fsdp_core.spec.config import BackwardPrefetch
+from fsdp_core.spec.config import BackwardPrefetch, ShardingStrategy
 from fsdp_core.spec.events import Event, HookEvent
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "UnshardStep",
     "action_name",
     "plan_unshard",
+    "unshard_request",
 ]
 
 
@@ -114,9 +115,14 @@ class UnshardRequest:
     """Units in the order their pre-backward hook fired on the recorded iteration; may be empty."""
     reshard_after_forward: bool
     """``FULL_SHARD``/``HYBRID_SHARD``: non-root units free their unsharded parameter after forward."""
-    reshard_after_backward: bool
-    """The post-backward plan frees each unit's unsharded parameter (``Plan.should_free_in_backward``).
-    The schedule never does this itself; ``check_unshard`` models it."""
+    plan_reshards: bool
+    """Each unit's post-backward plan frees its unsharded parameter in the hook
+    (``Plan.should_free_in_backward``). The schedule never does this itself; ``check_unshard``
+    models it at each post-backward."""
+    reshard_at_end_of_backward: bool
+    """What is still gathered when backward ends is freed then
+    (``ShardingStrategy.reshards_after_backward``); otherwise it stays gathered for the next
+    accumulation step (the ZeRO-2 strategies inside ``no_sync``)."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     """When the next unit's all-gather is issued in backward; None: in its own pre-backward hook."""
     forward_prefetch: bool = False
@@ -133,7 +139,7 @@ class UnshardRequest:
             raise ValueError(f"root: expected 0 <= root < units={self.units}, got {self.root}")
         _check_order("forward_order", self.forward_order, self.units)
         _check_order("backward_order", self.backward_order, self.units)
-        for name in ("reshard_after_forward", "reshard_after_backward", "forward_prefetch"):
+        for name in ("reshard_after_forward", "plan_reshards", "reshard_at_end_of_backward", "forward_prefetch"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected a bool, got {value!r}")
@@ -149,20 +155,25 @@ class UnshardRequest:
         units: int,
         *,
         reshard_after_forward: bool,
-        reshard_after_backward: bool,
+        plan_reshards: bool,
+        reshard_at_end_of_backward: bool | None = None,
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch: bool = False,
     ) -> UnshardRequest:
         """A sequential model of ``units`` units as nested FSDP records it: the root (unit 0) wraps
         units ``1 .. units - 1``, which run forward in order. The root's pre-backward hook fires
-        first (its output is the loss's input), then the others' in reverse: ``0, n-1, ..., 1``."""
+        first (its output is the loss's input), then the others' in reverse: ``0, n-1, ..., 1``.
+        ``reshard_at_end_of_backward`` defaults to ``plan_reshards``."""
         return cls(
             units=units,
             root=0,
             forward_order=tuple(range(units)),
             backward_order=(0, *range(units - 1, 0, -1)),
             reshard_after_forward=reshard_after_forward,
-            reshard_after_backward=reshard_after_backward,
+            plan_reshards=plan_reshards,
+            reshard_at_end_of_backward=plan_reshards
+            if reshard_at_end_of_backward is None
+            else reshard_at_end_of_backward,
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
         )
@@ -325,3 +336,32 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
 
     steps = tuple(UnshardStep(event=e.event, unit=e.unit, actions=actions(e.event, e.unit)) for e in r.events)
     return UnshardSchedule(request=r, steps=steps)
+
+
+def unshard_request(
+    *,
+    units: int,
+    root: int,
+    forward_order: tuple[int, ...],
+    backward_order: tuple[int, ...],
+    strategy: ShardingStrategy,
+    low_precision: bool,
+    sync_gradients: bool,
+    backward_prefetch: BackwardPrefetch | None,
+    forward_prefetch: bool,
+) -> UnshardRequest:
+    """The request for one iteration of a tree with ``strategy``, as the shell runs it: the one
+    builder the runtime (``fsdp_shell.units.unshard``), the memory model, the simulator and
+    ``fsdp-plan`` all use. ``low_precision``: a unit computes in a dtype of its own (mixed
+    precision); ``sync_gradients``: the iteration is not inside ``no_sync``."""
+    return UnshardRequest(
+        units=units,
+        root=root,
+        forward_order=forward_order,
+        backward_order=backward_order,
+        reshard_after_forward=strategy.reshards_after_forward_with(low_precision),
+        plan_reshards=strategy.plan_reshards(low_precision=low_precision, sync_gradients=sync_gradients),
+        reshard_at_end_of_backward=strategy.reshards_after_backward(sync_gradients),
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+    )

@@ -5,7 +5,7 @@ the shell does (``UnshardSchedule.actions``, so on-demand fallbacks are checked 
 every unit whether its flat parameter is sharded, in flight (all-gather issued, not awaited) or
 gathered, whether its forward or backward is running, and whether it was gathered ahead of a use
 that has not started yet. Every unit starts the iteration sharded. The post-backward plan's reshard
-(``reshard_after_backward``) is applied at each post-backward hook before the schedule's actions,
+(``plan_reshards``) is applied at each post-backward hook before the schedule's actions,
 as FSDP1's ``_post_backward_reshard`` reshards before it prefetches.
 """
 
@@ -68,7 +68,7 @@ class _Sim:
         event, unit = hook
         if event not in _PRE:
             self.in_use.discard(unit)
-        if event is Event.POST_BACKWARD and r.reshard_after_backward and self.held[unit] is _Held.GATHERED:
+        if event is Event.POST_BACKWARD and r.plan_reshards and self.held[unit] is _Held.GATHERED:
             self.held[unit] = _Held.SHARDED
         for action in self.schedule.actions(event, unit):
             self.act(action)

@@ -51,6 +51,7 @@ from fsdp_core import (  # noqa: E402
     plan_post_backward,
     plan_to_json,
     plan_unshard,
+    unshard_request,
     unshard_to_json,
 )
 from fsdp_core.execution import lane_issues_shard  # noqa: E402
@@ -286,19 +287,24 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 def unshard_from_args(args: argparse.Namespace, plan: Plan) -> UnshardSchedule | None:
     """The all-gather schedule of ``--units`` equal units in a chain (root 0 wrapping the others)
-    for ``plan``'s strategy, or None with one unit or ``NO_SHARD`` (nothing is ever gathered).
-    Parses ``--backward-prefetch``; raises ``ValueError``."""
+    for ``plan``'s request, as the runtime records it (``unshard_request``), or None with one unit
+    or ``NO_SHARD`` in the parameters' own dtype (nothing is ever gathered). Parses
+    ``--backward-prefetch``; raises ``ValueError``."""
     prefetch = parse_backward_prefetch(str(args.backward_prefetch))
-    strategy = plan.request.sharding.strategy
-    if args.units < 2 or not strategy.is_sharded:
+    r = plan.request
+    low_precision = r.compute_dtype != r.layout.dtype
+    if args.units < 2 or not (r.sharding.strategy.is_sharded or low_precision):
         return None
+    chain = UnshardRequest.chain(args.units, reshard_after_forward=False, plan_reshards=False)
     return plan_unshard(
-        UnshardRequest.chain(
-            args.units,
-            reshard_after_forward=strategy.reshards_after_forward_with(
-                plan.request.compute_dtype != plan.request.layout.dtype
-            ),
-            reshard_after_backward=plan.should_free_in_backward,
+        unshard_request(
+            units=chain.units,
+            root=chain.root,
+            forward_order=chain.forward_order,
+            backward_order=chain.backward_order,
+            strategy=r.sharding.strategy,
+            low_precision=low_precision,
+            sync_gradients=r.flags.sync_gradients,
             backward_prefetch=prefetch,
             forward_prefetch=args.forward_prefetch,
         )

@@ -22,10 +22,12 @@ from fsdp_core import (
     Event,
     Gather,
     Reshard,
+    ShardingStrategy,
     UnshardRequest,
     UnshardSchedule,
     check_unshard,
     plan_unshard,
+    unshard_request,
 )
 from fsdp_shell.units.flat_param import FlatParamHandle
 
@@ -40,23 +42,28 @@ class UnshardRunner:
         handles: Sequence[FlatParamHandle | None],
         root: int,
         *,
-        reshard_after_forward: bool,
-        reshard_after_backward: bool,
+        strategy: ShardingStrategy,
+        low_precision: bool,
         backward_prefetch: BackwardPrefetch | None,
         forward_prefetch: bool,
     ) -> None:
         self._handles = handles
-        self._base = UnshardRequest(
-            units=len(handles),
-            root=root,
-            forward_order=(),
-            backward_order=(),
-            reshard_after_forward=reshard_after_forward,
-            reshard_after_backward=reshard_after_backward,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-        )
-        self.schedule: UnshardSchedule = plan_unshard(self._base)
+
+        def request(forward: tuple[int, ...], backward: tuple[int, ...], sync_gradients: bool) -> UnshardRequest:
+            return unshard_request(
+                units=len(handles),
+                root=root,
+                forward_order=forward,
+                backward_order=backward,
+                strategy=strategy,
+                low_precision=low_precision,
+                sync_gradients=sync_gradients,
+                backward_prefetch=backward_prefetch,
+                forward_prefetch=forward_prefetch,
+            )
+
+        self._request = request
+        self.schedule: UnshardSchedule = plan_unshard(request((), (), True))
         """On demand until the first iteration has been recorded; then the planned schedule."""
         self._recording = True
         self._forward: list[int] = []
@@ -97,21 +104,12 @@ class UnshardRunner:
                 case _:
                     assert_never(action)
 
-    def end_backward(self) -> None:
-        """After the first complete iteration: plan and verify the schedule from its order."""
+    def end_backward(self, *, sync_gradients: bool) -> None:
+        """After the first complete iteration (``sync_gradients``: not inside ``no_sync``): plan
+        and verify the schedule from its order."""
         if not self._recording or not self._forward or not self._backward:
             return
-        request = UnshardRequest(
-            units=self._base.units,
-            root=self._base.root,
-            forward_order=tuple(self._forward),
-            backward_order=tuple(self._backward),
-            reshard_after_forward=self._base.reshard_after_forward,
-            reshard_after_backward=self._base.reshard_after_backward,
-            backward_prefetch=self._base.backward_prefetch,
-            forward_prefetch=self._base.forward_prefetch,
-        )
-        schedule = plan_unshard(request)
+        schedule = plan_unshard(self._request(tuple(self._forward), tuple(self._backward), sync_gradients))
         problems = check_unshard(schedule)
         if problems:
             listed = "\n".join(f"  {p}" for p in problems)
