@@ -13,7 +13,7 @@ live after the last step; then how many of our post-backward hooks held exactly 
 
 FSDP1 refuses ``CPUOffload(offload_params=True)`` without an accelerator (it pins memory), so
 the offload configuration shows our hooks only. The figures do not depend on timing on our side
-(``tests/test_memory_gloo.py``), so one run is enough; FSDP1's may vary by a few bytes between
+(``tests/worlds/test_memory_gloo.py``), so one run is enough; FSDP1's may vary by a few bytes between
 runs (gloo's threads free its collectives' buffers when they are done with them).
 """
 
@@ -37,8 +37,8 @@ from fsdp_shell import FSDP
 from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.runtime.cpu import CpuRuntime
-from tests.dist_harness import run_world
-from tests.memory_cases import measuring_plans
+from tests.worlds.dist_harness import run_world
+from tests.worlds.memory_cases import measuring_plans
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def net(cfg: Config) -> tuple[nn.Module, type[nn.Module]]:
         return nn.Sequential(*(Layer() for _ in range(6))), Layer
     if cfg.model == "demo":
         return TinyLM(DEMO), Block
-    from tests.hf_cases import make_model
+    from tests.worlds.hf_cases import make_model
 
     return make_model(cfg.model)
 

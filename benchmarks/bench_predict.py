@@ -25,7 +25,7 @@ from benchmarks.bench_memory import Config, loss_of, measure_impls, net
 from fsdp_core import CPUOffload, MixedPrecision
 from fsdp_core.memory import Phase
 from fsdp_shell.predict import Prediction, predict_memory
-from tests.dist_harness import run_world
+from tests.worlds.dist_harness import run_world
 
 PHASES = ("forward", "backward", "optimizer", "after")
 

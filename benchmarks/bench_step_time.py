@@ -114,7 +114,7 @@ from fsdp_shell.runtime.collectives import all_gather_flat
 from fsdp_shell.runtime.cpu import gloo_reduce_scatter
 from fsdp_shell.runtime.protocol import Pending
 from fsdp_shell.units.build import find_units, param_names, unit_params
-from tests.dist_harness import run_world
+from tests.worlds.dist_harness import run_world
 
 Size = tuple[Collective, Group, int, torch.dtype]
 """A collective, its group, the numel FSDP passes (all-gather: its output) and the dtype."""

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU check, for the day a GPU is lent (one is enough), in under 5 minutes; one summary line per part:
-#   1. world size 1 on NCCL (tests/test_gpu.py): every strategy, prefetch, offload, in-collective
+#   1. world size 1 on NCCL (tests/device/test_gpu.py): every strategy, prefetch, offload, in-collective
 #      division, and the slow-side-stream stress;
 #   2. max_memory_allocated against FSDP1 on the same model, and against the memory prediction
 #      (fsdp_shell.predict, backend nccl) with the reserved peak beside it;
 #   3. the sharded and hybrid paths with 2 and 4 ranks sharing device 0 over gloo, on real device
-#      streams, also with one side stream slowed (tests/gpu_worlds.py; it first names the
+#      streams, also with one side stream slowed (tests/device/gpu_worlds.py; it first names the
 #      collectives gloo lacks for device tensors).
 # Each part's whole output (failures with their tracebacks) is kept in GPU_CHECK_LOGS (a new
 # temporary folder unless set); the last line names it.
@@ -21,7 +21,7 @@ status=0
 pytest_part() {  # name, timeout, pytest arguments...
     local name=$1 limit=$2
     shift 2
-    timeout "$limit" "$py" -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/test_gpu.py "$@" >"$logs/$name.log" 2>&1
+    timeout "$limit" "$py" -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/device/test_gpu.py "$@" >"$logs/$name.log" 2>&1
 }
 pytest_part nccl 150 -k "not peak and not predicted" || status=1
 echo "world size 1, NCCL: $(tail -1 "$logs/nccl.log")"
@@ -29,6 +29,6 @@ pytest_part peak 60 -k peak || status=1
 echo "memory against FSDP1: $(grep -E "max_memory_allocated|passed|failed|error" "$logs/peak.log" | tr '\n' ' ')"
 pytest_part predicted 90 -k predicted || status=1
 echo "memory against the prediction: $(grep -E "predicted peak|passed|failed|error" "$logs/predicted.log" | tr '\n' ' ')"
-timeout 200 "$py" -m tests.gpu_worlds 2>&1 | tee "$logs/worlds.log" || status=1
+timeout 200 "$py" -m tests.device.gpu_worlds 2>&1 | tee "$logs/worlds.log" || status=1
 echo "whole output of each part: $logs"
 exit $status

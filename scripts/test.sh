@@ -8,19 +8,29 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
 -h | --help)
   cat <<'USAGE'
-usage: bash scripts/test.sh [PYTEST_ARGS...]
+usage: bash scripts/test.sh [--quick] [PYTEST_ARGS...]
 
 The project's test command (CI runs it on a fresh clone, with no arguments):
   1. pip install torch==2.13.0 (the CPU build) and this project with its dev and plot extras;
   2. ruff check, ruff format --check, mypy --strict;
   3. pytest under coverage.py (the gloo ranks and the CLIs' subprocesses too), then the line
-     coverage of fsdp_core and fsdp_shell.
+     coverage of fsdp_core and fsdp_shell, and the 20 slowest tests.
+--quick: the edit-test loop, well under 2 minutes: ruff, then the tiers that need no second
+  process (tests/core: pure fsdp_core; tests/shell: the shell in one process), without
+  installing, type-checking or coverage.
+The tiers (each folder's __init__.py says what it holds): tests/core, tests/shell,
+tests/worlds (real gloo worlds), tests/device (the accelerator runtime), tests/meta (the code base).
 Arguments go to pytest, for example:
-  bash scripts/test.sh tests/test_rounding.py
-  bash scripts/test.sh tests/test_demo.py -k check
-The whole suite takes 20-30 minutes on a 2-core machine; the lint and type checks about 1.
+  bash scripts/test.sh tests/core/test_rounding.py
+  bash scripts/test.sh tests/worlds/test_demo.py -k check
+  bash scripts/test.sh --quick -k lane
 USAGE
   exit 0
+  ;;
+--quick)
+  shift
+  python -m ruff check .
+  exec python -m pytest -q tests/core tests/shell "$@"
   ;;
 esac
 python -m pip install --disable-pip-version-check -q torch==2.13.0
@@ -30,7 +40,7 @@ python -m ruff format --check .
 python -m mypy
 rm -rf .coverage-data && mkdir -p .coverage-data
 export COVERAGE_FILE="$PWD/.coverage-data/coverage"
-python -m coverage run -m pytest -q "$@"
+python -m coverage run -m pytest -q --durations=20 "$@"
 python -m coverage combine -q
 python -m coverage report
 core=$(python -m coverage report --include='*/fsdp_core/*' --format=total)

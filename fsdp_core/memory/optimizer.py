@@ -3,7 +3,7 @@
 FSDP hands the optimizer this rank's sharded parameters (``OptimizedTensor``: the flat shards,
 or with ``use_orig_params`` each original parameter's sharded view that has a gradient). Their
 memory follows from torch's implementations with their default arguments, as measured with
-``fsdp_shell.memory.LiveBytes`` (``tests/test_model_memory.py``):
+``fsdp_shell.memory.LiveBytes`` (``tests/shell/test_model_memory.py``):
 
 - ``SGD``: no state, nothing allocated by a step.
 - ``SGD`` with momentum: a momentum buffer per tensor, a copy of its first gradient (the

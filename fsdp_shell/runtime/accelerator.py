@@ -5,7 +5,7 @@ maps to, written once against a ``Device`` (streams, events, the caching allocat
 ``TorchDevice`` is any accelerator PyTorch supports, through its device-agnostic API
 (``torch.Stream``, ``torch.Event``, ``torch.accelerator``), as FSDP2's ``_get_device_handle``
 does: CUDA, and XPU, MPS, HPU or a PrivateUse1 backend alike. The test suite runs the same
-runtime on a checked-streams device (``tests/checked_streams.py``) that executes on CPU tensors
+runtime on a checked-streams device (``tests/device/checked_streams.py``) that executes on CPU tensors
 and raises on every cross-stream use that is neither waited for nor recorded.
 
 Ordering, as the runtime expresses it to the device:

@@ -1,0 +1,1 @@
+"""Pure ``fsdp_core``: hand-worked values, properties and the verifiers; no process, no runtime."""

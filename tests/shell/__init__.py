@@ -1,0 +1,1 @@
+"""The shell in one process: predictions, CLIs, the in-process oracle, the live-byte counter."""
