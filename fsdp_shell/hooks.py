@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_core import Event, HookEvent, step_flags
+from fsdp_core import Event, HookEvent
 from fsdp_shell.runtime.interpreter import PlanRun
 from fsdp_shell.runtime.log import Phase
 from fsdp_shell.safety.agreement import RankMismatchError, check_agreement, check_same_events
@@ -216,9 +216,7 @@ def _reduce(tree: Tree, unit: int, take_grad: Callable[[], torch.Tensor]) -> Non
     back at the plan's ``Free`` of it, not when this returns."""
     h = tree.handles[unit]
     assert h is not None
-    s = tree.settings
-    flags = step_flags(h.carried.roles, sync_gradients=s.sync_gradients, requires_all_reduce=s.requires_all_reduce)
-    run = PlanRun(tree.plans(s.request(h.request, flags)), tree.runtime, h, take_grad(), s.comm_hook)
+    run = PlanRun(tree.step_plan(unit, h.carried.roles), tree.runtime, h, take_grad(), tree.settings.comm_hook)
     with tree.log.during(Phase.POST_BACKWARD):
         run.run_hook_ops()
         tree.iteration.runs.append((unit, run))

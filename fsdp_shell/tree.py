@@ -32,10 +32,13 @@ from fsdp_core import (
     CommHook,
     Division,
     HookEvent,
+    InputRole,
+    Plan,
     PlanCache,
     PlanRequest,
     ShardingSpec,
     StepFlags,
+    step_flags,
 )
 from fsdp_core.execution import lane_issues_shard
 from fsdp_shell.options import Ignored, Options
@@ -127,11 +130,33 @@ class Tree:
     """Every post-backward plan of the tree, verified once when first built."""
     iteration: IterationState = field(default_factory=IterationState)
     first_forward_done: bool = False
+    """Whether the root's first forward has run: the ranks have agreed, the configuration is fixed."""
     summoning: int = 0
     """How many ``summon_full_params`` blocks of this tree are open."""
-    """Whether the root's first forward has run: the ranks have agreed, the configuration is fixed."""
     agreement_seconds: float = 0.0
     """How long the ranks' agreement took at the first forward."""
+    _step_plans: tuple[Settings | None, dict[tuple[int, frozenset[InputRole]], Plan]] = field(
+        default_factory=lambda: (None, {}), repr=False
+    )
+    """The plans of the settings in force, by unit and carried roles (``step_plan``)."""
+
+    def step_plan(self, unit: int, roles: frozenset[InputRole]) -> Plan:
+        """Unit ``unit``'s post-backward plan this step, given the roles it carries: built and
+        verified (``plans``) the first time the pair is seen under the settings in force, one
+        dictionary lookup after that; the settings are replaced whole when the user changes one,
+        which starts afresh."""
+        s = self.settings
+        owner, plans = self._step_plans
+        if owner is not s:
+            plans = {}
+            self._step_plans = (s, plans)
+        plan = plans.get((unit, roles))
+        if plan is None:
+            h = self.handles[unit]
+            assert h is not None
+            flags = step_flags(roles, sync_gradients=s.sync_gradients, requires_all_reduce=s.requires_all_reduce)
+            plan = plans[(unit, roles)] = self.plans(s.request(h.request, flags))
+        return plan
 
     @property
     def root(self) -> int:

@@ -7,7 +7,7 @@ fails where it is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import assert_never
 
 import torch
@@ -183,51 +183,43 @@ class Plan:
     """The division used for the default collectives; None inside ``no_sync`` and with a comm
     hook (the hook's state divides)."""
 
-    @property
-    def hand_off(self) -> HandOff | None:
-        """The op that hands the gradient to the optimizer, if the plan has one."""
+    hand_off: HandOff | None = field(init=False, repr=False, compare=False)
+    """The op that hands the gradient to the optimizer, if the plan has one (one, or none)."""
+    destination: Destination | None = field(init=False, repr=False, compare=False)
+    """Where the gradient ends up."""
+    consumed: frozenset[InputRole] = field(init=False, repr=False, compare=False)
+    """The carried roles this plan takes as inputs (every ``Input`` role but ``GRAD``): the
+    buffers carried from earlier backwards that it uses up."""
+    carried_out: InputRole | None = field(init=False, repr=False, compare=False)
+    """The role under which the handed-off gradient enters the next backward
+    (``carried_role(destination)``); None when the plan hands nothing off."""
+    hook_ops: tuple[Op, ...] = field(init=False, repr=False, compare=False)
+    """The ops run inside the post-backward hook: those before the first ``EndOfBackwardWait``."""
+    callback_ops: tuple[Op, ...] = field(init=False, repr=False, compare=False)
+    """The ops deferred to the end-of-backward callback."""
+
+    def __post_init__(self) -> None:
+        """What the runtime asks of every plan on every backward, worked out once here."""
         found = [op for op in self.ops if isinstance(op, HandOff)]
-        return found[0] if len(found) == 1 else None
-
-    @property
-    def destination(self) -> Destination | None:
-        """Where the gradient ends up."""
-        h = self.hand_off
-        return None if h is None else h.destination
-
-    @property
-    def consumed(self) -> frozenset[InputRole]:
-        """The carried roles this plan takes as inputs (every ``Input`` role but ``GRAD``): the
-        buffers carried from earlier backwards that it uses up."""
-        return frozenset(op.role for op in self.ops if isinstance(op, Input) and op.role is not InputRole.GRAD)
-
-    @property
-    def carried_out(self) -> InputRole | None:
-        """The role under which the handed-off gradient enters the next backward
-        (``carried_role(destination)``); None when the plan hands nothing off."""
-        d = self.destination
-        return None if d is None else carried_role(d)
+        hand_off = found[0] if len(found) == 1 else None
+        destination = None if hand_off is None else hand_off.destination
+        split = next((i for i, op in enumerate(self.ops) if isinstance(op, EndOfBackwardWait)), len(self.ops))
+        consumed = frozenset(op.role for op in self.ops if isinstance(op, Input) and op.role is not InputRole.GRAD)
+        derived = {
+            "hand_off": hand_off,
+            "destination": destination,
+            "consumed": consumed,
+            "carried_out": None if destination is None else carried_role(destination),
+            "hook_ops": self.ops[:split],
+            "callback_ops": self.ops[split:],
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @property
     def should_free_in_backward(self) -> bool:
         """Whether the plan reshards (frees the unsharded parameter) in the post-backward."""
         return self.request.should_free_in_backward
-
-    @property
-    def hook_ops(self) -> tuple[Op, ...]:
-        """The ops run inside the post-backward hook."""
-        return self.ops[: self._split()]
-
-    @property
-    def callback_ops(self) -> tuple[Op, ...]:
-        """The ops deferred to the end-of-backward callback."""
-        return self.ops[self._split() :]
-
-    def _split(self) -> int:
-        for i, op in enumerate(self.ops):
-            if isinstance(op, EndOfBackwardWait):
-                return i
-        return len(self.ops)
 
 
 def buffers_of(op: Op) -> tuple[Buffer, ...]:

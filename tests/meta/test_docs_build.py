@@ -307,3 +307,34 @@ def _run_on_two_ranks(block: Block, path: Path, env: dict[str, str]) -> None:
         assert GLOO_EXIT_ABORT in output and f'File "{path}"' not in output, output
         return
     assert result.returncode == 0, f"{block.id} failed on two ranks:\n{output}"
+
+
+def test_the_gradient_path_in_the_design_is_the_traced_one() -> None:
+    """``docs/design.md``'s "One gradient" section quotes the traced path's size, ours and FSDP2's,
+    and lists main steps: the counts are what ``benchmarks/gradient_path.py`` traces now (run as a
+    process: tests import no benchmark), and every listed function is on the traced path, in
+    the file the row names."""
+    import json
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gradient_path.py"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=ROOT,
+    )
+    traced = json.loads(out.stdout)
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text[text.index("## One gradient, from hook to optimizer") :]
+    section = section[: section.index("\n## ", 1)]
+    quoted = re.findall(r"\*\*(\d+) functions in (\d+) files\*\*", section)
+    assert quoted == [
+        (str(traced["ours"]["functions"]), str(traced["ours"]["files"])),
+        (str(traced["fsdp2"]["functions"]), str(traced["fsdp2"]["files"])),
+    ], quoted
+    rows = re.findall(r"^\| \d+ \| `([\w.]+)\(.*?\)` \| `([\w/.]+)` \|", section, flags=re.M)
+    assert len(rows) >= 10
+    listed = set(traced["ours"]["listed"])
+    for function, path in rows:
+        assert f"{path}:{function}" in listed, f"{function} in {path} is not on the traced gradient path"
