@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp.api as fsdp_api
 from torch import nn
 from torch.distributed.fsdp._common_utils import TrainingState
-from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_core import (
     BackwardPrefetch,
@@ -35,21 +33,11 @@ from fsdp_shell.deprecated import DeprecatedOptimStateHelpers
 from fsdp_shell.options import check_mixed_precision, flag, parse_options, to_ignored
 from fsdp_shell.runtime.log import CollectiveKind, CollectiveRecord
 from fsdp_shell.state import distributed as distributed_state_dict
-from fsdp_shell.state.optim_state import optim_state_dict as optim_state_dict_of
-from fsdp_shell.state.optim_state import optim_state_dict_to_load, param_group_names
-from fsdp_shell.state.state_dict import (
-    StateDictSettings,
-    StateDictType,
-    full_state_dict,
-    load_state_dict,
-    sharded_state_dict,
-    state_dict_settings,
-    torch_settings,
-)
+from fsdp_shell.state.api import StateDictAPI, roots
 from fsdp_shell.tree import Tree, make_tree
 from fsdp_shell.units.flat_param import FlatParamHandle
 from fsdp_shell.units.grad_norm import clip_grad_norm
-from fsdp_shell.units.summon import check_summon_options, summoned
+from fsdp_shell.units.summon import summoned_trees
 
 __all__ = ["FLAT_PARAM", "FSDP", "WRAPPED_MODULE", "FullyShardedDataParallel"]
 
@@ -59,7 +47,7 @@ FLAT_PARAM = "_flat_param"
 """Where the wrapped module holds its unit's flat parameter without ``use_orig_params`` (FSDP1's name)."""
 
 
-class FullyShardedDataParallel(DeprecatedOptimStateHelpers, nn.Module):
+class FullyShardedDataParallel(StateDictAPI, DeprecatedOptimStateHelpers, nn.Module):
     """A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
 
     Arguments, with FSDP1's meaning:
@@ -447,94 +435,7 @@ class FullyShardedDataParallel(DeprecatedOptimStateHelpers, nn.Module):
             settings.request(h.request)
         tree.settings = settings
 
-    # -- state dicts ----------------------------------------------------------------------------
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """Full, unsharded values under the unwrapped module's ``state_dict()`` keys (every name
-        of a tied parameter, persistent buffers, ``_extra_state``), on every rank."""
-        self._require_root("full_state_dict")
-        tree = self._tree
-        return full_state_dict(tree.flat_handles, tree.state_entries, StateDictSettings(), tree.groups.shard.rank())
-
-    def load_full_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> _IncompatibleKeys:
-        """Load what ``full_state_dict()`` (or the unwrapped module's ``state_dict()``) returns;
-        ``strict`` and the result as ``nn.Module.load_state_dict``."""
-        self._require_root("load_full_state_dict")
-        return load_state_dict(
-            self._tree.flat_handles, self._tree.state_entries, state_dict, strict=flag("strict", strict)
-        )
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """FSDP1's default: the full state dict under the unwrapped module's keys; inside
-        ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``, DTensor shards for
-        ``torch.distributed.checkpoint``. A collective: every rank calls it. On a nested unit,
-        ``RuntimeError`` naming the root's keys to use: the unit's own ``nn.Module`` state dict
-        would be its flat parameter's shard."""
-        self._require_state_root("state_dict")
-        if args:
-            raise TypeError("state_dict: pass destination, prefix and keep_vars by keyword")
-        tree = self._tree
-        settings = tree.settings.state_dict
-        if settings.kind is StateDictType.SHARDED_STATE_DICT:
-            values = sharded_state_dict(tree.flat_handles, tree.state_entries, settings, tree.mesh)
-        else:
-            values = full_state_dict(tree.flat_handles, tree.state_entries, settings, tree.groups.shard.rank())
-        out: Any = {} if destination is None else destination
-        for key, value in values.items():
-            out[prefix + key] = value
-        return out
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
-        """The inverse of ``state_dict()``: full tensors or DTensors under the unwrapped
-        module's keys, copied into this rank's shards. ``RuntimeError`` on a nested unit, as
-        ``state_dict()``."""
-        self._require_state_root("load_state_dict")
-        if assign:
-            raise ValueError("load_state_dict: assign=True would replace the sharded parameters; use assign=False")
-        return load_state_dict(
-            self._tree.flat_handles, self._tree.state_entries, state_dict, strict=flag("strict", strict)
-        )
-
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: object,
-        state_dict_config: object = None,
-        optim_state_dict_config: object = None,
-    ) -> Iterator[None]:
-        """FSDP1's context manager: ``state_dict()`` / ``load_state_dict()`` of every FSDP root in
-        ``module`` use ``state_dict_type`` (ours or torch's ``StateDictType``) inside."""
-        previous = FullyShardedDataParallel.set_state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config
-        )
-        try:
-            yield
-        finally:
-            for root in _roots(module):
-                root._set(state_dict=previous)
-
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: object,
-        state_dict_config: object = None,
-        optim_state_dict_config: object = None,
-    ) -> StateDictSettings:
-        """Set what ``state_dict()`` returns for every FSDP root in ``module``; returns the
-        previous settings."""
-        settings = state_dict_settings(state_dict_type, state_dict_config)
-        if optim_state_dict_config is not None:
-            state_dict_settings(state_dict_type, optim_state_dict_config)
-        roots = _roots(module)
-        if not roots:
-            raise ValueError("module: contains no FullyShardedDataParallel root")
-        previous = roots[0]._tree.settings.state_dict
-        for root in roots:
-            root._set(state_dict=settings)
-        return previous
+    # -- summoning and the units ----------------------------------------------------------------
 
     @staticmethod
     @contextlib.contextmanager
@@ -565,108 +466,26 @@ class FullyShardedDataParallel(DeprecatedOptimStateHelpers, nn.Module):
             )
         if not units:
             raise ValueError("module: contains no FullyShardedDataParallel module")
-        by_tree: dict[int, tuple[Tree, list[FlatParamHandle]]] = {}
-        for unit in units:
-            tree, handle = unit._tree, unit._tree.handles[unit._index]
-            if tree.iteration.unfinished:
-                raise RuntimeError("summon_full_params: not inside forward or backward (a backward is under way)")
-            entry = by_tree.setdefault(id(tree), (tree, []))
-            if handle is not None:
-                entry[1].append(handle)
-        with contextlib.ExitStack() as stack:
-            for tree, handles in by_tree.values():
-                check_summon_options(
-                    writeback=writeback,
-                    rank0_only=rank0_only,
-                    with_grads=with_grads,
-                    use_orig_params=tree.options.use_orig_params,
-                )
-                stack.enter_context(
-                    summoned(
-                        handles,
-                        rank=tree.groups.shard.rank(),
-                        writeback=writeback,
-                        rank0_only=rank0_only,
-                        offload_to_cpu=offload_to_cpu,
-                        with_grads=with_grads,
-                    )
-                )
-                tree.summoning += 1
-                stack.callback(_closed, tree)
+        with summoned_trees(
+            [(unit._tree, unit._tree.handles[unit._index]) for unit in units],
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        ):
             yield
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> fsdp_api.StateDictSettings:
-        """FSDP1's: the state-dict settings of the FSDP roots in ``module``, as torch's
-        ``StateDictSettings``; ``ValueError`` when there is no root or the roots differ."""
-        roots = _roots(module)
-        if not roots:
-            raise ValueError("module: contains no FullyShardedDataParallel root")
-        kinds = {root._tree.settings.state_dict for root in roots}
-        if len(kinds) > 1:
-            raise ValueError(f"module: its FullyShardedDataParallel roots use different state-dict types: {kinds}")
-        return torch_settings(kinds.pop())
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """FSDP1's: every ``FullyShardedDataParallel`` in ``module`` (itself included), or only
         the roots."""
         if root_only:
-            return _roots(module)
+            return [m for m in roots(module) if isinstance(m, FullyShardedDataParallel)]
         return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
 
     def check_is_root(self) -> bool:
         """FSDP1's: whether this module is the root of its FSDP tree."""
         return self._is_root
-
-    @staticmethod
-    def optim_state_dict(
-        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: object = None, group: object = None
-    ) -> dict[str, Any]:
-        """FSDP1's ``FSDP.optim_state_dict``: ``optim``'s state under the original parameter
-        names, full or (inside ``state_dict_type(..., SHARDED_STATE_DICT)``) as DTensors that
-        ``torch.distributed.checkpoint`` saves. A collective."""
-        if optim_state_dict is not None or group is not None:
-            raise ValueError("optim_state_dict, group: not supported; the optimizer's own state is read")
-        tree = _root_of(model)._tree
-        return optim_state_dict_of(
-            tree.flat_handles, optim, tree.settings.state_dict, tree.mesh, tree.groups.shard.rank(), tree.ignored_params
-        )
-
-    @staticmethod
-    def optim_state_dict_to_load(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_state_dict: Mapping[str, Any],
-        is_named_optimizer: bool = False,
-        load_directly: bool = False,
-        group: object = None,
-    ) -> dict[str, Any]:
-        """FSDP1's inverse: what ``optim.load_state_dict`` takes on this rank (with
-        ``load_directly``, loaded and returned). A collective."""
-        if is_named_optimizer or group is not None:
-            raise ValueError("is_named_optimizer, group: not supported")
-        tree = _root_of(model)._tree
-        out = optim_state_dict_to_load(tree.flat_handles, optim, optim_state_dict, tree.ignored_params)
-        if load_directly:
-            optim.load_state_dict(out)
-        return out
-
-    @staticmethod
-    def _frozen_state_keys(model: nn.Module) -> set[str]:
-        """The ``state_dict()`` keys of the parameters that do not require gradients (every name
-        of a tied one), ignored parameters included."""
-        root = _root_of(model)
-        tree = root._tree
-        frozen = {n for h in tree.flat_handles for n in h.frozen_names()}
-        frozen |= {n for n, p in tree.ignored_params if not p.requires_grad}
-        return {e.key for e in tree.state_entries if e.param in frozen}
-
-    @staticmethod
-    def _optim_group_names(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[str]]:
-        """The original parameter names of each of ``optim``'s groups (no collective)."""
-        tree = _root_of(model)._tree
-        return param_group_names(tree.flat_handles, optim, tree.ignored_params)
 
     # -- clipping -------------------------------------------------------------------------------
 
@@ -676,21 +495,6 @@ class FullyShardedDataParallel(DeprecatedOptimStateHelpers, nn.Module):
         tree = self._tree
         ignored = [p for _, p in tree.ignored_params]
         return clip_grad_norm(tree.flat_handles, tree.groups.shard, tree.device, max_norm, norm_type, ignored)
-
-
-def _closed(tree: Tree) -> None:
-    tree.summoning -= 1
-
-
-def _root_of(model: nn.Module) -> FullyShardedDataParallel:
-    roots = _roots(model)
-    if len(roots) != 1:
-        raise ValueError(f"model: expected one FullyShardedDataParallel root, found {len(roots)}")
-    return roots[0]
-
-
-def _roots(module: nn.Module) -> list[FullyShardedDataParallel]:
-    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel) and m._is_root]
 
 
 FSDP = FullyShardedDataParallel

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from fsdp_shell.units.flat_param import FlatParamHandle
 
-__all__ = ["check_summon_options", "summoned"]
+if TYPE_CHECKING:
+    from fsdp_shell.tree import Tree
+
+__all__ = ["check_summon_options", "summoned", "summoned_trees"]
 
 _MISSING = object()
 
@@ -122,3 +126,49 @@ class Restore:
                 module.__dict__.pop(attr, None)
             else:
                 module.__dict__[attr] = before
+
+
+@contextlib.contextmanager
+def summoned_trees(
+    units: Sequence[tuple[Tree, FlatParamHandle | None]],
+    *,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    """``summoned`` for the handles of ``units`` (each with its tree), tree by tree; each tree
+    counts its open blocks (``Tree.summoning``) while inside. ``RuntimeError`` when a tree is in
+    the middle of a backward."""
+    by_tree: dict[int, tuple[Tree, list[FlatParamHandle]]] = {}
+    for tree, handle in units:
+        if tree.iteration.unfinished:
+            raise RuntimeError("summon_full_params: not inside forward or backward (a backward is under way)")
+        entry = by_tree.setdefault(id(tree), (tree, []))
+        if handle is not None:
+            entry[1].append(handle)
+    with contextlib.ExitStack() as stack:
+        for tree, handles in by_tree.values():
+            check_summon_options(
+                writeback=writeback,
+                rank0_only=rank0_only,
+                with_grads=with_grads,
+                use_orig_params=tree.options.use_orig_params,
+            )
+            stack.enter_context(
+                summoned(
+                    handles,
+                    rank=tree.groups.shard.rank(),
+                    writeback=writeback,
+                    rank0_only=rank0_only,
+                    offload_to_cpu=offload_to_cpu,
+                    with_grads=with_grads,
+                )
+            )
+            tree.summoning += 1
+            stack.callback(_closed, tree)
+        yield
+
+
+def _closed(tree: Tree) -> None:
+    tree.summoning -= 1
