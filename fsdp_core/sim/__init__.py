@@ -28,22 +28,21 @@ from fsdp_core.sim.costs import (
     fit_collectives,
     fit_table,
 )
-from fsdp_core.sim.iteration import (
+from fsdp_core.sim.iteration import simulate_iteration
+from fsdp_core.sim.iteration_model import (
     Activity,
     CollectiveCosts,
     ComputeSlowdown,
-    Interval,
     IterationModel,
-    IterationTimeline,
     LinkModel,
     UnitCosts,
     describe_plans,
     event_check_volume,
     flops_compute_ms,
     model_of_units,
-    simulate_iteration,
     unit_plans,
 )
+from fsdp_core.sim.iteration_timeline import Interval, IterationTimeline
 from fsdp_core.sim.links import Link, SimTask, group_link, run_tasks, span_link
 from fsdp_core.sim.pr106080 import (
     SEED_DECODER,

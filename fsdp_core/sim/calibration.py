@@ -39,7 +39,7 @@ from fsdp_core.sim.costs import (
     fit_affine,
     fit_collectives,
 )
-from fsdp_core.sim.iteration import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
+from fsdp_core.sim.iteration_model import CollectiveCosts, ComputeSlowdown, IterationModel, LinkModel, UnitCosts
 from fsdp_core.sim.links import Link
 from fsdp_core.spec.config import BackwardPrefetch
 

@@ -22,15 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fsdp_core.plan.request import Plan
-from fsdp_core.sim.iteration import (
-    CollectiveCosts,
-    IterationModel,
-    IterationTimeline,
-    LinkModel,
-    UnitCosts,
-    simulate_iteration,
-    unit_plans,
-)
+from fsdp_core.sim.iteration import simulate_iteration
+from fsdp_core.sim.iteration_model import CollectiveCosts, IterationModel, LinkModel, UnitCosts, unit_plans
+from fsdp_core.sim.iteration_timeline import IterationTimeline
 from fsdp_core.sim.render import format_iteration
 from fsdp_core.spec.config import HybridAllReduce, ShardingStrategy
 

@@ -7,7 +7,8 @@ from types import MappingProxyType
 
 from fsdp_core.plan.ops import Stream
 from fsdp_core.problems import JsonValue
-from fsdp_core.sim.iteration import Activity, Interval, IterationTimeline
+from fsdp_core.sim.iteration_model import Activity
+from fsdp_core.sim.iteration_timeline import Interval, IterationTimeline
 from fsdp_core.sim.links import Link
 
 __all__ = ["ACTIVITY_MARKS", "format_iteration", "iteration_to_trace"]
