@@ -5,16 +5,14 @@ what the all-gathers hold hook by hook (``unshard_footprints``); what torch's op
 bytes per rank by phase and category (``model_memory``), from all of them and autograd's side of
 a step (``ActivationTrace``). Sizes are as an ``Allocator`` counts them."""
 
+from fsdp_core.memory.activation_trace import ActivationTrace, Mark, TracePoint
 from fsdp_core.memory.allocator import CUDA_CACHING, EXACT, Allocator
 from fsdp_core.memory.model_memory import (
-    ActivationTrace,
     Category,
-    Mark,
     ModelMemory,
     ModelMemoryRequest,
     Phase,
     PhasePeak,
-    TracePoint,
     UnitSpec,
     for_rank,
     model_memory,

@@ -16,7 +16,8 @@ from typing import assert_never
 
 import torch
 
-from fsdp_core.memory.model_memory import ActivationTrace, UnitSpec
+from fsdp_core.memory.activation_trace import ActivationTrace
+from fsdp_core.memory.model_memory import UnitSpec
 from fsdp_core.memory.plan_memory import Executor
 from fsdp_core.plan.carry import step_flags
 from fsdp_core.plan.comm import CommVolume, ring_bytes

@@ -21,9 +21,9 @@ from torch import nn
 
 from fsdp_core import BackendCaps, Division, ShardingSpec
 from fsdp_core.memory import Executor
+from fsdp_core.memory.activation_trace import ActivationTrace
 from fsdp_core.memory.allocator import CUDA_CACHING, EXACT, Allocator
 from fsdp_core.memory.model_memory import (
-    ActivationTrace,
     ModelMemory,
     ModelMemoryRequest,
     UnitSpec,

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from fsdp_core import Event, HookEvent, MixedPrecision, PlanRequest
-from fsdp_core.memory.model_memory import ActivationTrace, Mark, TracePoint
+from fsdp_core.memory.activation_trace import ActivationTrace, Mark, TracePoint
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.memory.live import Window
 from fsdp_shell.units.flat_param import OrigParam, split_views

@@ -19,6 +19,7 @@ right after one (``model.state_dict()``) exits cleanly.
 
 from __future__ import annotations
 
+import pickle
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from fsdp_core import ReduceKind, ReduceOpSpec
 __all__ = [
     "GLOO_RELEASE_TIMEOUT",
     "all_gather_flat",
+    "all_gather_objects",
     "all_reduce_flat",
     "any_rank",
     "broadcast_flat",
@@ -102,6 +104,26 @@ def all_gather_flat(
         return issue()
     completed(issue, (output, input))
     return None
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
+    """Every rank's ``obj`` in rank order, over a gloo ``group``: ``dist.all_gather_object`` with
+    ``completed`` collectives, so its buffers are returned at a fixed point of the program (torch's
+    leaves them to gloo's threads, and a rank's memory would then depend on their timing)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = group.size()
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    lengths = torch.empty(size, dtype=torch.int64)
+    all_gather_flat(lengths, length, group)
+    counts = lengths.tolist()
+    longest = max(counts)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = torch.empty(size * longest, dtype=torch.uint8)
+    all_gather_flat(gathered, padded, group)
+    out = [pickle.loads(bytes(gathered[r * longest : r * longest + n].tolist())) for r, n in enumerate(counts)]
+    release(length, lengths, padded, gathered)
+    return out
 
 
 def all_reduce_flat(

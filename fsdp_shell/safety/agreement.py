@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
 from fsdp_core import Event, HookEvent
-from fsdp_shell.runtime.collectives import all_gather_flat, release
+from fsdp_shell.runtime.collectives import all_gather_flat, all_gather_objects, release
 
 if TYPE_CHECKING:
     from fsdp_shell.tree import Tree
@@ -75,14 +75,13 @@ def check_agreement(tree: Tree) -> float:
     digest = hashlib.sha256(repr(fields).encode()).hexdigest()
     shard = dist.get_process_group_ranks(tree.groups.shard)
     replicate = dist.get_process_group_ranks(tree.groups.replicate) if tree.groups.replicate is not None else []
-    size = dist.get_world_size(group)
-    everyone: list[tuple[int, str, list[int], list[int]] | None] = [None] * size
-    dist.all_gather_object(everyone, (dist.get_rank(), digest, shard, replicate), group=group)
-    seen = [e for e in everyone if e is not None]
+    seen = cast(
+        list[tuple[int, str, list[int], list[int]]],
+        all_gather_objects((dist.get_rank(), digest, shard, replicate), group),
+    )
     if len({d for _, d, _, _ in seen}) > 1:
-        details: list[tuple[int, tuple[Field, ...]] | None] = [None] * size
-        dist.all_gather_object(details, (dist.get_rank(), fields), group=group)
-        raise RankMismatchError(_first_difference([d for d in details if d is not None]))
+        details = cast(list[tuple[int, tuple[Field, ...]]], all_gather_objects((dist.get_rank(), fields), group))
+        raise RankMismatchError(_first_difference(details))
     _check_partition(seen)
     return time.perf_counter() - start
 
@@ -139,9 +138,8 @@ def check_same_events(tree: Tree, events: list[HookEvent]) -> None:
     release(local, gathered)
     if len(set(digests)) == 1:
         return
-    details: list[tuple[int, list[HookEvent]] | None] = [None] * size
-    dist.all_gather_object(details, (dist.get_rank(), events), group=group)
-    shown = "; ".join(f"rank {rank}: units {_units(e)}" for rank, e in sorted(d for d in details if d is not None))
+    details = cast(list[tuple[int, list[HookEvent]]], all_gather_objects((dist.get_rank(), events), group))
+    shown = "; ".join(f"rank {rank}: units {_units(e)}" for rank, e in sorted(details))
     raise RankMismatchError(
         "FSDP: ranks ran different FSDP units in this iteration (their collectives may have been paired "
         f"wrongly, so this backward's gradients must not be used): {shown}. Pass ranks_may_diverge=True "
