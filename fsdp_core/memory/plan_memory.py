@@ -52,7 +52,7 @@ from fsdp_core.plan.ops import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan.request import Plan, PlanRequest, buffers_of, dies_after
+from fsdp_core.plan.request import Plan, PlanRequest, buffers_of
 
 __all__ = [
     "BackwardMemory",
@@ -171,6 +171,7 @@ class _Walk:
         self, plan: Plan, executor: Executor, lane: LaneOrder[_Held], unsharded: int, allocator: Allocator
     ) -> None:
         self.ops = plan.ops
+        self.src_dies = plan.src_dies
         self.allocator = allocator
         self.unsharded = unsharded
         self.unsharded_freed = 0
@@ -334,7 +335,7 @@ class _Walk:
         """The receive buffer of the reduce-scatter's form on gloo (module docstring)."""
         if not self.cpu:
             return 0
-        form = scatter_form(op.reduce_op.kind, op.src.nbytes, gloo=True, src_dies=dies_after(self.ops, index, op.src))
+        form = scatter_form(op.reduce_op.kind, op.src.nbytes, gloo=True, src_dies=index in self.src_dies)
         return op.src.nbytes if form.receive_buffer else 0
 
 

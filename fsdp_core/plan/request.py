@@ -197,6 +197,9 @@ class Plan:
     """The ops run inside the post-backward hook: those before the first ``EndOfBackwardWait``."""
     callback_ops: tuple[Op, ...] = field(init=False, repr=False, compare=False)
     """The ops deferred to the end-of-backward callback."""
+    src_dies: frozenset[int] = field(init=False, repr=False, compare=False)
+    """The indices of the reduce-scatters whose input no later op uses before the plan frees it
+    (``dies_after``): a collective may overwrite it."""
 
     def __post_init__(self) -> None:
         """What the runtime asks of every plan on every backward, worked out once here."""
@@ -212,6 +215,9 @@ class Plan:
             "carried_out": None if destination is None else carried_role(destination),
             "hook_ops": self.ops[:split],
             "callback_ops": self.ops[split:],
+            "src_dies": frozenset(
+                i for i, op in enumerate(self.ops) if isinstance(op, ReduceScatter) and dies_after(self.ops, i, op.src)
+            ),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)

@@ -39,7 +39,6 @@ from fsdp_core import (
     Stream,
     WaitStream,
 )
-from fsdp_core.plan.request import dies_after
 from fsdp_shell.runtime.protocol import Runtime
 
 __all__ = ["CommHookFn", "PlanOwner", "PlanRun"]
@@ -155,9 +154,7 @@ class PlanRun:
             case ReduceScatter():
                 src = self._tensor(op.src)
                 dst = self._alloc(op.dst, op.stream, src)
-                rt.reduce_scatter(
-                    op.stream, op.group, dst, src, op.reduce_op, src_dies=dies_after(self.plan.ops, index, op.src)
-                )
+                rt.reduce_scatter(op.stream, op.group, dst, src, op.reduce_op, src_dies=index in self.plan.src_dies)
             case AllReduce():
                 rt.all_reduce(op.stream, op.group, self._tensor(op.buffer), op.reduce_op)
             case CommHookCall():
