@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.worlds.dist_harness import run_world
+from fsdp_shell.cli.launch import run_world
 
 SIZES = (544, 65_536, 1 << 20, 4 << 20)
 

@@ -608,7 +608,7 @@ def main() -> None:
     arg = (args.rounds, args.warmup, trace, shape)
     run: Callable[[Callable[[int, int, object], object], object], list[object]]
     if args.loopback:
-        from tests.worlds.dist_harness import run_world
+        from fsdp_shell.cli.launch import run_world
 
         run = lambda fn, a: run_world(4, fn, a, timeout=3600)  # noqa: E731
         where = "plain loopback, 4 ranks"

@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell import FSDP
+from fsdp_shell.cli.launch import run_world
 from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.runtime.cpu import CpuRuntime
-from tests.worlds.dist_harness import run_world
 from tests.worlds.memory_cases import measuring_plans
 
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_memory import Config, loss_of, measure_impls, net
 from fsdp_core import CPUOffload, MixedPrecision
 from fsdp_core.memory import Phase
+from fsdp_shell.cli.launch import run_world
 from fsdp_shell.predict import Prediction, predict_memory
-from tests.worlds.dist_harness import run_world
 
 PHASES = ("forward", "backward", "optimizer", "after")
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fsdp_core import ShardingStrategy, check_plan
 from fsdp_shell import FSDP
-from tests.worlds.dist_harness import run_world
+from fsdp_shell.cli.launch import run_world
 
 
 class Layer(nn.Module):
