@@ -19,3 +19,13 @@ def sigint_reaches_children() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kept_worlds_end_with_the_session() -> Iterator[None]:
+    """The gloo worlds ``tests.worlds.dist_harness`` keeps across cases end cleanly when the
+    session does, so coverage.py saves what their ranks ran."""
+    yield
+    from tests.worlds.dist_harness import close_worlds
+
+    close_worlds()

@@ -37,7 +37,7 @@ FOUR_RANKS = (
 
 
 def _check(cases: tuple[Divergence, ...], world: int) -> None:
-    for outcomes in run_world(world, run_divergences, cases, timeout=150):
+    for outcomes in run_world(world, run_divergences, cases, timeout=150, fresh=True):
         assert set(outcomes) == {c.name for c in cases}
         for name, (diff, agreements) in outcomes.items():
             assert diff <= TOL, (name, diff)
@@ -53,14 +53,14 @@ def test_divergent_paths_with_hybrid_sharding_on_four_ranks_match_the_reference(
 
 
 def test_without_ranks_may_diverge_paths_that_pair_wrongly_raise_on_every_rank() -> None:
-    messages = run_world(2, undetected_by_default, None, timeout=120)
+    messages = run_world(2, undetected_by_default, None, timeout=120, fresh=True)
     assert all("ranks ran different FSDP units" in m and "ranks_may_diverge=True" in m for m in messages), messages
     assert messages[0] == messages[1]
 
 
 def test_without_ranks_may_diverge_a_rank_left_waiting_raises_on_every_rank_at_the_timeout() -> None:
     for skipped in (F({1}), F({3})):
-        messages = run_world(2, gives_up_by_default, skipped, timeout=90)
+        messages = run_world(2, gives_up_by_default, skipped, timeout=90, fresh=True)
         for rank, message in enumerate(messages):
             assert f"rank {rank} gave up waiting for the other ranks" in message, (skipped, messages)
             assert "pass ranks_may_diverge=True" in message, (skipped, messages)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ranks_that_disagree_raise_the_same_error_before_any_collective() -> None:
-    results = run_world(2, mismatches, None, timeout=120)
+    results = run_world(2, mismatches, None, timeout=120, fresh=True)
     for field, fragment in (
         ("mixed_precision", "ranks disagree on mixed_precision"),
         ("wrap_policy", "ranks disagree on number of FSDP units"),
@@ -36,16 +36,16 @@ def test_ranks_that_disagree_raise_the_same_error_before_any_collective() -> Non
 
 
 def test_hybrid_groups_from_different_layouts_are_refused_on_every_rank() -> None:
-    messages = run_world(4, mixed_layouts, None, timeout=120)
+    messages = run_world(4, mixed_layouts, None, timeout=120, fresh=True)
     assert all("every rank must pass groups from one layout" in m for m in messages), messages
     assert len(set(messages)) == 1
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
 def test_a_step_that_fails_in_the_loss_or_a_hook_leaves_the_wrapper_usable(use_orig_params: bool) -> None:
-    for diff in run_world(2, recovery, use_orig_params, timeout=120):
+    for diff in run_world(2, recovery, use_orig_params, timeout=120, fresh=True):
         assert diff <= 1e-6
 
 
 def test_fsdp_on_a_subgroup_needs_nothing_from_the_other_ranks() -> None:
-    assert run_world(4, on_a_subgroup, None, timeout=120) == ["trained", "trained", "idle", "idle"]
+    assert run_world(4, on_a_subgroup, None, timeout=120, fresh=True) == ["trained", "trained", "idle", "idle"]
