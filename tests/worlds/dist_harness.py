@@ -96,10 +96,12 @@ class _World:
         return [results[r] for r in range(self.size)]
 
     def close(self, *, kill: bool) -> None:
-        if not kill:
-            for inbox in self.inboxes:
-                inbox.put(None)
+        self.ask_to_end()
         launch._stop(self.procs, interrupt=kill)
+
+    def ask_to_end(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
 
 
 _worlds: dict[int, _World] = {}
@@ -132,7 +134,11 @@ def run_world(
 
 
 def close_worlds() -> None:
-    """End every kept world: each rank leaves its loop, destroys its process group and exits."""
-    while _worlds:
-        _, kept = _worlds.popitem()
-        kept.close(kill=not all(p.is_alive() for p in kept.procs))
+    """End every kept world: each rank leaves its loop, destroys its process group and exits
+    (all worlds asked at once, then waited for)."""
+    kept = list(_worlds.values())
+    _worlds.clear()
+    for world in kept:
+        world.ask_to_end()
+    for world in kept:
+        launch._stop(world.procs, interrupt=False)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_shell.cli.launch import run_world
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
 from fsdp_shell.state.checkpoint import CURRENT, KILL_AT_ENV, current_version
+from tests.worlds.dist_harness import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4", "--eval-every", "100"]

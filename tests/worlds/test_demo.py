@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -18,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_core import ShardingStrategy
-from fsdp_shell.cli.launch import free_port, run_world
+from fsdp_core import CommHook, ShardingStrategy
 from fsdp_shell.demo.check import CheckReport, StepCheck
 from fsdp_shell.demo.cli import main as demo_main
 from fsdp_shell.demo.model import ModelConfig
 from fsdp_shell.demo.train import DemoConfig, RunResult, run_rank
 from fsdp_shell.state.checkpoint import read_meta
+from tests.worlds.dist_harness import free_port, run_world
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--quiet", "--layers", "2", "--width", "32", "--batch-size", "4"]
@@ -56,18 +57,26 @@ def test_default_run_trains_and_held_out_loss_falls() -> None:
     assert float(summary_value(done.stdout, "grad comm / step").split()[0]) > 0
 
 
+def _traffic(rank: int, world: int, hooks: tuple[CommHook, ...]) -> dict[CommHook, float]:
+    """Each hook's mean gradient traffic per step, as the demo's summary reports it."""
+    out = {}
+    for hook in hooks:
+        cfg = DemoConfig(steps=2, batch_size=4, quiet=True, comm_hook=hook, model=ModelConfig(layers=2, width=32))
+        out[hook] = statistics.mean(run_rank(rank, world, cfg).comm_bytes)
+    return out
+
+
 def test_every_hooks_traffic_is_counted_as_the_plans_count_it() -> None:
-    """The summary's traffic for every ``--comm-hook``, as ``fsdp-plan`` counts each hook: the
-    all-reduce hook sends twice a reduce-scatter's bytes on a ring, the compress hooks half (a
-    16-bit wire), the reduce-scatter hook what no hook sends."""
-    comm = {}
-    for hook in ("none", "allreduce", "reduce_scatter", "fp16_compress", "bf16_compress"):
-        done = demo("--steps", "2", "--comm-hook", hook, *QUICK)
-        assert done.returncode == 0, done.stderr[-3000:]
-        comm[hook] = float(summary_value(done.stdout, "grad comm / step").split()[0])
-    assert comm["reduce_scatter"] == comm["none"] > 0
-    assert comm["allreduce"] == pytest.approx(2 * comm["none"], rel=0.01)
-    assert comm["fp16_compress"] == comm["bf16_compress"] == pytest.approx(comm["none"] / 2, rel=0.01)
+    """The demo's traffic (its summary's "grad comm / step", ``RunResult.comm_bytes``) for every
+    ``--comm-hook``, as ``fsdp-plan`` counts each hook: the all-reduce hook sends twice a
+    reduce-scatter's bytes on a ring, the compress hooks half (a 16-bit wire), the reduce-scatter
+    hook what no hook sends. (That the summary prints it: ``test_default_run_trains_and_held_out_loss_falls``.)"""
+    hooks = (CommHook.NONE, CommHook.ALLREDUCE, CommHook.REDUCE_SCATTER, CommHook.FP16_COMPRESS, CommHook.BF16_COMPRESS)
+    comm = run_world(2, _traffic, hooks, timeout=300)[0]
+    assert comm[CommHook.REDUCE_SCATTER] == comm[CommHook.NONE] > 0
+    assert comm[CommHook.ALLREDUCE] == pytest.approx(2 * comm[CommHook.NONE], rel=0.01)
+    half = comm[CommHook.NONE] / 2
+    assert comm[CommHook.FP16_COMPRESS] == comm[CommHook.BF16_COMPRESS] == pytest.approx(half, rel=0.01)
 
 
 def test_progress_bar_shows_loss_time_tokens_and_communication() -> None:
