@@ -20,8 +20,8 @@ FSDP1's HYBRID_SHARD and FSDP2's HSDP on the same 2-D mesh).
   what the step itself allocates, without the interpreter's and the allocator's baseline).
   "large" (8 units of 2048 x 2048) is measured for memory only, where the model, not the
   Python process, dominates.
-- **Plans**: how many post-backward plans our runtime built and verified (cache misses), how
-  many lookups hit, and what verifying them cost.
+- **Plans**: how many post-backward plans our runtime built and verified (each later backward
+  looks its plan up by unit and carried roles), and what verifying one cost.
 """
 
 from __future__ import annotations

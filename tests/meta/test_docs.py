@@ -60,8 +60,9 @@ def test_every_example_document_has_generated_blocks() -> None:
 
 def test_check_names_a_stale_table_and_regenerate_fixes_it(generator: Generator, tmp_path: Path) -> None:
     docs = tmp_path / "docs"
-    shutil.copytree(DOCS, docs)
+    docs.mkdir()
     examples = docs / "examples.md"
+    shutil.copyfile(DOCS / "examples.md", examples)  # every block of every document: test_generated_blocks_are_current
     original = examples.read_text(encoding="utf-8")
     fresh = generator.render("plan", "full_shard")
     assert fresh in original
