@@ -20,6 +20,8 @@ The project's test command (CI runs it on a fresh clone, with no arguments):
   installing, type-checking or coverage.
 The tiers (each folder's __init__.py says what it holds): tests/core, tests/shell,
 tests/worlds (real gloo worlds), tests/device (the accelerator runtime), tests/meta (the code base).
+Hypothesis properties run a fixed, derandomized budget; FSDP_HYPOTHESIS=nightly gives each ten
+times its examples, drawn at random (tests/budget.py).
 The whole command takes about 15 minutes on a 2-core machine (CI, 2026-12-05: 15 min 03 s,
 pytest 14 min 23 s); --quick well under a minute.
 Arguments go to pytest, for example:

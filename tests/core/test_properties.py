@@ -16,7 +16,7 @@ from typing import Literal
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from fsdp_core import (
@@ -60,17 +60,11 @@ from fsdp_core import (
     step_flags,
 )
 from fsdp_core.plan.verifier import expected_destination
+from tests.budget import budget
 
-settings.register_profile(
-    "fsdp-ci",
-    deadline=None,
-    max_examples=200,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-CI = settings.get_profile("fsdp-ci")
-"""The main property's budget: 200 derandomized examples, no per-example deadline."""
-LIGHT = settings(CI, max_examples=100)
+CI = budget(200)
+"""The main property's budget: 200 examples (``tests.budget``)."""
+LIGHT = budget(100)
 """The cheaper properties."""
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdp_core import (
@@ -27,6 +27,7 @@ from fsdp_core import (
     format_unshard,
     plan_unshard,
 )
+from tests.budget import budget
 
 E = Event
 PRE, POST = BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST
@@ -494,7 +495,7 @@ def requests(draw: st.DrawFn) -> UnshardRequest:
     )
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@budget(300)
 @given(requests())
 def test_planned_schedules_check_clean(req: UnshardRequest) -> None:
     schedule = plan_unshard(req)
@@ -510,7 +511,7 @@ def test_planned_schedules_check_clean(req: UnshardRequest) -> None:
             assert g(unit) not in schedule.actions(E.PRE_BACKWARD, unit)
 
 
-@settings(max_examples=80, deadline=None, derandomize=True)
+@budget(80)
 @given(st.integers(1, 12), st.sampled_from([None, PRE, POST]), st.booleans())
 def test_a_full_shard_chain_holds_at_most_two_units_besides_the_root(
     units: int, prefetch: BackwardPrefetch | None, forward_prefetch: bool

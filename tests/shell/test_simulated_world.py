@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -49,12 +49,12 @@ from fsdp_core import (
     check_plan,
 )
 from fsdp_shell.runtime.reference_interpreter import SimulationError, WorldGeometry, WorldResult, simulate
+from tests.budget import budget
 
 SS = ShardingStrategy
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 NCCL = BackendCaps(supports_avg=True, supports_premul_sum=True)
 GLOO = BackendCaps()
-
 
 # -- worlds and layouts, written out by hand ------------------------------------------------
 
@@ -706,7 +706,7 @@ def lowest_precision(dtypes: set[torch.dtype]) -> torch.dtype:
     return next(d for d in (BF16, F16, F32, F64) if d in dtypes)
 
 
-@settings(max_examples=200, deadline=None, database=None)
+@budget(200)
 @given(
     strategy=st.sampled_from(list(SS)),
     shard=st.integers(1, 4),
@@ -820,7 +820,7 @@ def test_any_configuration_averages(
         assert_views_rebuild_the_params(result, mesh, case, full, precision)
 
 
-@settings(max_examples=100, deadline=None, database=None)
+@budget(100)
 @given(
     strategy=st.sampled_from(list(SS)),
     shard=st.integers(1, 4),
