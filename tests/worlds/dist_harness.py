@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,6 +41,10 @@ R = TypeVar("R")
 
 CASES_PER_WORLD = 25
 """Cases a kept world runs before it is replaced."""
+
+EXIT_SECONDS = 120.0
+"""How long the kept worlds get to exit at the end: a rank that ran many cases under coverage.py
+takes a while to write its data, and a rank killed while writing loses it."""
 
 
 def _serve(rank: int, world: int, port: int, inbox: mp.Queue[Any], out: mp.Queue[Any]) -> None:
@@ -97,7 +102,13 @@ class _World:
 
     def close(self, *, kill: bool) -> None:
         self.ask_to_end()
+        if not kill:
+            self.wait_to_end(time.monotonic() + EXIT_SECONDS)
         launch._stop(self.procs, interrupt=kill)
+
+    def wait_to_end(self, deadline: float) -> None:
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def ask_to_end(self) -> None:
         for inbox in self.inboxes:
@@ -140,5 +151,7 @@ def close_worlds() -> None:
     _worlds.clear()
     for world in kept:
         world.ask_to_end()
+    deadline = time.monotonic() + EXIT_SECONDS
     for world in kept:
+        world.wait_to_end(deadline)
         launch._stop(world.procs, interrupt=False)
