@@ -22,7 +22,6 @@ plan decides when they go, so what it frees of them counts negative.
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import assert_never
@@ -115,12 +114,9 @@ def unsharded_param_bytes(request: PlanRequest, allocator: Allocator = EXACT) ->
 class _Held:
     """Memory a plan freed that the lane still uses: returned when the host has waited for it."""
 
-    plan: int
+    plan: object
+    """The walk of the plan that freed it (its identity)."""
     bytes: int
-
-
-_walks = itertools.count(1)
-"""Tells plans apart in a lane shared by several: their buffers' names repeat."""
 
 
 def plan_memory(
@@ -178,7 +174,8 @@ class _Walk:
         self.executor = executor
         self.cpu = executor is Executor.CPU_LANE
         self.lane = lane
-        self.serial = next(_walks)
+        self.serial = object()
+        """Tells this plan's buffers apart in a lane shared by several plans: their names repeat."""
         self.held: dict[str, Buffer] = {}
         """By name, the buffers bound now, each with its own memory (aliases are in ``alias``)."""
         self.alias: dict[str, str] = {}
@@ -254,10 +251,11 @@ class _Walk:
         if self.cpu:
             self.place = self.lane.compute(stream, self._uses(op))
 
-    def _collective(self, op: Op, stream: Stream, group: Group) -> Place:
+    def _collective(self, op: Op, stream: Stream, group: Group, extra: tuple[Hashable, ...] = ()) -> Place:
+        """Place a collective using ``op``'s buffers and ``extra`` ones (a receive buffer)."""
         if not self.cpu:
             return Place.STREAM
-        place = self.lane.collective(stream, group, self._uses(op))
+        place = self.lane.collective(stream, group, self._uses(op) + extra)
         if place is Place.HOST_AFTER_DRAIN:
             self._drain()
         self.place = place
@@ -294,14 +292,8 @@ class _Walk:
                 self._bind(op.dst)
                 scratch = self._scratch(index, op)
                 receive = Buffer(name=f"{op.dst.name}.receive", numel=op.src.numel, dtype=op.src.dtype)
-                uses = self._uses(op) + ((self._key(receive.name),) if scratch else ())
-                place = Place.STREAM
-                if self.cpu:
-                    place = self.lane.collective(op.stream, op.group, uses)
-                    if place is Place.HOST_AFTER_DRAIN:
-                        self._drain()
-                    self.place = place
-                if place is Place.LANE and scratch:
+                extra = (self._key(receive.name),) if scratch else ()
+                if self._collective(op, op.stream, op.group, extra) is Place.LANE and scratch:
                     self.live += scratch
                     self.lane.free(self._key(receive.name), _Held(self.serial, scratch))
                 else:
