@@ -95,6 +95,12 @@ class PlanRun:
         self.done = False
         """Whether every op has run (the gradient is handed off)."""
 
+    @property
+    def live(self) -> tuple[str, ...]:
+        """The buffers the run holds now; none once a sound plan has run (it frees or hands off
+        each)."""
+        return tuple(self._buffers)
+
     def run_hook_ops(self) -> None:
         """Run the ops that belong in the post-backward hook (``Runtime.begin_plan`` first)."""
         self._runtime.begin_plan()
@@ -168,7 +174,8 @@ class PlanRun:
                 grad, views = self._tensor(op.buffer), op.views
                 rt.on_host(lambda: self._owner.expose_views(grad, views), (grad,))
             case HandOff():
-                grad, plan = self._buffers.pop(op.buffer.name), self.plan
+                grad, plan = self._tensor(op.buffer), self.plan
+                del self._buffers[op.buffer.name]
                 rt.on_host(lambda: self._owner.hand_off(plan, grad), (grad,))
             case _:
                 assert_never(op)

@@ -60,7 +60,6 @@ OP_CONSUMERS_AT_LEAST = {
     ("fsdp_core/sim/timeline.py", "run"),
     ("fsdp_core/plan/verifier.py", "step"),
     ("fsdp_shell/runtime/interpreter.py", "_step"),
-    ("fsdp_shell/runtime/reference_interpreter.py", "_execute"),
     ("fsdp_core/memory/plan_memory.py", "step"),
 }
 """The consumers of ``Op`` this change made exhaustive; the source may hold more."""
