@@ -5,8 +5,9 @@ Run on demand: ``python benchmarks/bench_predict.py [--configs NAME,...] [--step
 For each configuration, ``fsdp_shell.predict.predict_memory`` predicts every rank's bytes from
 the model built on the meta device (no process group, no memory: the plans, the all-gather
 schedule and a ``FakeTensorMode`` trace of one step); then a gloo world trains the model for
-real, measured by ``fsdp_shell.memory.LiveBytes`` (``benchmarks/bench_memory.py``: exact live
-tensor-storage bytes from the model's construction on, the peak of each phase over all steps).
+real, measured by ``fsdp_shell.memory.LiveBytes`` (``fsdp_shell.memory.measure``: exact live
+tensor-storage bytes from the model's construction on, the peak of each phase over all steps);
+``fsdp_shell.predict.against.compare`` gives the two side by side.
 Printed per configuration, for the worst rank: predicted / measured peak of forward, backward
 and the optimizer step, and the bytes left after the last step; then the largest error.
 """
@@ -17,17 +18,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_memory import Config, loss_of, measure_impls, net
-from fsdp_core import CPUOffload, MixedPrecision
-from fsdp_core.memory import Phase
-from fsdp_shell.cli.launch import run_world
-from fsdp_shell.predict import Prediction, predict_memory
-
-PHASES = ("forward", "backward", "optimizer", "after")
+from fsdp_shell.memory.measure import PHASES
+from fsdp_shell.memory.workload import Config
+from fsdp_shell.predict.against import compare
 
 CONFIGS: dict[str, Config] = {
     "mlp-full_shard": Config("FULL_SHARD"),
@@ -67,45 +62,6 @@ CONFIGS: dict[str, Config] = {
         "HYBRID_SHARD_ZERO2", model="llama", orig=True, optimizer="sgd_momentum"
     ),
 }
-
-
-def predict(cfg: Config) -> Prediction:
-    """``cfg``'s prediction for the CPU runtime, from the model built on the meta device."""
-    with torch.device("meta"):
-        module, block = net(cfg)
-    precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
-    return predict_memory(
-        module,
-        lambda m: loss_of(m, cfg, 0, 0),
-        world_size=cfg.world,
-        shard_size=cfg.shard_size,
-        sharding_strategy=cfg.strategy,
-        mixed_precision=precision,
-        cpu_offload=CPUOffload(offload_params=cfg.offload),
-        auto_wrap_policy={block},
-        use_orig_params=cfg.orig,
-        backward_prefetch=cfg.backward_prefetch,
-        forward_prefetch=cfg.forward_prefetch,
-        hybrid_all_reduce=cfg.hybrid_all_reduce,
-        optimizer=cfg.optimizer,
-        accumulate=cfg.accumulate,
-        backend="gloo",
-    )
-
-
-def predicted_phases(prediction: Prediction, rank: int) -> dict[str, int]:
-    """The predicted peak of each of ``PHASES`` for global ``rank`` (its rank in the shard group)."""
-    memory = prediction.ranks[rank % len(prediction.ranks)]
-    out = {phase.value: memory.phase_peak(phase).bytes for phase in Phase}
-    out["after"] = sum(memory.after_step.values())
-    return out
-
-
-def compare(cfg: Config, steps: int) -> list[tuple[dict[str, int], dict[str, int]]]:
-    """Per rank, (predicted, measured) bytes of each of ``PHASES``."""
-    prediction = predict(cfg)
-    ranks = run_world(cfg.world, measure_impls, (cfg, steps, ("ours",)), timeout=600)
-    return [(predicted_phases(prediction, rank), {k: out["ours"][k] for k in PHASES}) for rank, out in enumerate(ranks)]
 
 
 def main() -> None:

@@ -72,8 +72,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_memory import Config
-from benchmarks.bench_predict import CONFIGS, predict
+from benchmarks.bench_predict import CONFIGS
 from benchmarks.step_time_measure import Measured, Pinning, measure, sizes
 from benchmarks.step_time_model import (
     GLOO,
@@ -95,7 +94,9 @@ from fsdp_core.sim import (
     fit_table,
 )
 from fsdp_shell.cli.launch import run_world
+from fsdp_shell.memory.workload import Config
 from fsdp_shell.predict import Prediction
+from fsdp_shell.predict.against import predict
 
 
 def run(

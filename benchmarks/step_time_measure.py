@@ -22,8 +22,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_memory import Config, _wrap, loss_of, net, optimizer_of
-from benchmarks.bench_predict import predict
 from fsdp_core import Group, all_gather_volume, comm_volume
 from fsdp_core.memory import optimized_tensors
 from fsdp_core.plan.planner import build_plan
@@ -33,7 +31,9 @@ from fsdp_core.sim import (
     event_check_volume,
 )
 from fsdp_shell import FSDP
+from fsdp_shell.memory.workload import Config, loss_of, model_of, optimizer_of, wrap
 from fsdp_shell.predict import Prediction
+from fsdp_shell.predict.against import predict
 from fsdp_shell.predict.trace import TraceUnit, time_trace
 from fsdp_shell.runtime.collectives import all_gather_flat
 from fsdp_shell.runtime.cpu import gloo_reduce_scatter
@@ -375,7 +375,7 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, Pinn
     pin(rank, world, pinning)
     p = predict(cfg)
     dist.barrier()
-    model = _wrap("ours", cfg)
+    model = wrap("ours", cfg)
     opt = optimizer_of(cfg, model.parameters())
     issuers = [_issuer(model, s) for s in wanted]
     forward_backward: list[float] = []
@@ -434,7 +434,7 @@ ROUNDS = 5
 def local_compute(cfg: Config, p: Prediction, repeats: int = 9) -> list[tuple[float, float]]:
     """Each unit's forward and backward ms, the step run for real here (``time_trace``)."""
     with torch.device("meta"):
-        module, _ = net(cfg)
+        module, _ = model_of(cfg)
     sites = find_units(module, p.options.wrap, lambda m: False)
     owned = unit_params(sites, param_names(module), lambda m: False)
     units = [

@@ -8,12 +8,13 @@ interpreter (``fsdp_shell.runtime``). The folders, one concern each:
 - ``units``: one unit's flat parameter (flatten, shard, gather, views, carried gradients) and
   the all-gather schedule across units;
 - ``runtime``: the interpreter, the device runtimes behind one protocol, the collectives and
-  their log, process groups, and the reference interpreter that checks plans over a simulated
-  world;
+  their log, process groups, and a world of ranks in one process (``inprocess``) on which
+  ``simulate`` runs every rank's plan under the interpreter to check the numbers;
 - ``state``: state dicts, optimizer state dicts, crash-safe checkpoints;
 - ``safety``: the ranks' agreement before the first collective, the event sequencer for
   divergent paths, timeouts turned into errors that say where;
 - ``cli``: ``fsdp-plan``, ``fsdp-sim`` (neither imports the wrapper) and the local launcher;
+  ``cluster``: an emulated two-node cluster on one machine (network namespaces, as root);
   ``demo``: ``fsdp-demo``.
 
 ``fsdp_shell.comm_hooks`` has built-in communication hooks that also work on CPU. The names

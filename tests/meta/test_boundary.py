@@ -1,13 +1,16 @@
-"""The one-way boundary: fsdp_core imports no torch.distributed, torch.cuda or shell code."""
+"""The one-way boundaries: fsdp_core imports no torch.distributed, torch.cuda or shell code;
+tests and benchmarks never import each other (what both need is the library's)."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
-CORE = pathlib.Path(__file__).resolve().parents[2] / "fsdp_core"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CORE = ROOT / "fsdp_core"
 FORBIDDEN = ("torch.distributed", "torch.cuda", "fsdp_shell", "os", "io", "socket", "subprocess", "threading")
 
 
@@ -101,3 +104,64 @@ def test_the_training_runtime_imports_no_model_of_itself() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["[]", "True"]
+
+
+def crossings(source: str, other: str) -> list[str]:
+    """Where ``source`` reaches into the top-level package ``other``: an import of it (in a
+    function too), or a string that imports it (``python -c`` code) or names it as a path or a
+    module (``ROOT / "benchmarks"``, ``"benchmarks/x.py"``, ``"tests.worlds.x"``)."""
+    imports = re.compile(rf"\b(?:from|import)\s+{other}\b")
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and node.level:
+                continue  # relative: inside its own package
+            found += [(node.lineno, f"import {n}") for n in names if n == other or n.startswith(f"{other}.")]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            if text == other or text.startswith((f"{other}/", f"{other}.")) or imports.search(text):
+                found.append((node.lineno, f"string {text[:60]!r}"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+def test_tests_and_benchmarks_never_import_each_other() -> None:
+    """No module under ``tests/`` uses ``benchmarks``, and none under ``benchmarks/`` or
+    ``scripts/`` uses ``tests`` (``crossings``): a benchmark is free to change what it measures
+    and prints, and a test stands on the library alone. (The test command and the GPU check,
+    ``scripts/*.sh``, run tests by design; only Python modules are checked, this one aside: it
+    names both sides to check them.)"""
+    sides = {"tests": ("benchmarks",), "benchmarks": ("tests",), "scripts": ("tests",)}
+    bad: list[str] = []
+    for folder, others in sides.items():
+        files = sorted((ROOT / folder).rglob("*.py"))
+        assert len(files) >= 2, folder
+        for path in files:
+            if path == pathlib.Path(__file__).resolve():
+                continue
+            source = path.read_text(encoding="utf-8")
+            bad += [f"{path.relative_to(ROOT)} {hit}" for other in others for hit in crossings(source, other)]
+    assert bad == []
+
+
+def test_crossings_finds_every_way_in() -> None:
+    code = """
+import benchmarks
+from benchmarks.bench_memory import CONFIGS
+def f() -> None:
+    import benchmarks.cluster
+    run(["python", "-c", "from benchmarks.cluster import x; x()"], cwd=ROOT / "benchmarks")
+    run([sys.executable, "benchmarks/gradient_path.py"])
+    importlib.import_module("benchmarks.cluster")
+"""
+    assert [hit.split(":")[0] for hit in crossings(code, "benchmarks")] == [
+        "line 2",
+        "line 3",
+        "line 5",
+        "line 6",
+        "line 6",
+        "line 7",
+        "line 8",
+    ]
+    fine = '''"""As ``python benchmarks/bench_memory.py`` prints it."""\nimport benchmarking, tests_helpers\n'''
+    assert crossings(fine, "benchmarks") == [] and crossings(fine, "tests") == []

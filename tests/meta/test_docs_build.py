@@ -311,13 +311,14 @@ def _run_on_two_ranks(block: Block, path: Path, env: dict[str, str]) -> None:
 
 def test_the_gradient_path_in_the_design_is_the_traced_one() -> None:
     """``docs/design.md``'s "One gradient" section quotes the traced path's size, ours and FSDP2's,
-    and lists main steps: the counts are what ``benchmarks/gradient_path.py`` traces now (run as a
-    process: tests import no benchmark), and every listed function is on the traced path, in
-    the file the row names."""
+    and lists main steps: the counts are what ``scripts/gradient_path.py`` traces now (run as a
+    process; like ``scripts/gen_doc_examples.py`` it makes what the documents quote, and tests
+    use nothing of ``benchmarks/``), and every listed function is on the traced path, in the
+    file the row names."""
     import json
 
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gradient_path.py"), "--json"],
+        [sys.executable, str(ROOT / "scripts" / "gradient_path.py"), "--json"],
         capture_output=True,
         text=True,
         timeout=300,

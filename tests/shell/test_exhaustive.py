@@ -79,7 +79,7 @@ from fsdp_core import (
 from fsdp_core.plan.render import describe_op
 from fsdp_core.plan.request import buffers_of
 from fsdp_core.sim import CostModel, simulate_timeline
-from fsdp_shell.runtime.inprocess import SimulationError, WorldGeometry, simulate
+from fsdp_shell.runtime.simulate import SimulationError, WorldGeometry, simulate
 from fsdp_shell.units.flat_param import FlatParamHandle
 from fsdp_shell.units.unshard import UnshardRunner
 

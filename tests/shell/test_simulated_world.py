@@ -46,7 +46,7 @@ from fsdp_core import (
     build_plan,
     check_plan,
 )
-from fsdp_shell.runtime.inprocess import SimulationError, WorldGeometry, WorldResult, simulate
+from fsdp_shell.runtime.simulate import SimulationError, WorldGeometry, WorldResult, simulate
 from tests.budget import budget
 
 SS = ShardingStrategy

@@ -1,6 +1,7 @@
 """Hugging Face GPT-2 (tied embeddings) and Llama (GQA, RoPE buffers) on gloo worlds.
 
-Tiny configurations built in code with random weights (nothing downloads). Each case trains
+Tiny configurations built in code with random weights (nothing downloads:
+``fsdp_shell.memory.workload.hf_model``). Each case trains
 ``STEPS`` SGD-with-momentum steps and compares every state-dict entry with a single-process
 reference trained on all ranks' batches; it also checks the state dict's keys against the
 unwrapped model's and loads the reference's own ``state_dict()`` back.
@@ -9,7 +10,6 @@ unwrapped model's and loads the reference's own ``state_dict()`` back.
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,48 +18,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load_into
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save_from
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers import GPT2LMHeadModel
 
 from fsdp_core import ShardingStrategy
 from fsdp_shell import FSDP, StateDictType
+from fsdp_shell.memory.workload import HF_VOCAB, hf_model
 
 STEPS = 3
-VOCAB = 64
-
-
-def make_model(kind: str) -> tuple[nn.Module, type[nn.Module]]:
-    """A tiny model of ``kind`` ("gpt2" or "llama") with seeded weights, and its block class."""
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        gpt2 = GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=32,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        return GPT2LMHeadModel(gpt2), GPT2Block
-    llama = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(llama), LlamaDecoderLayer
 
 
 @dataclass(frozen=True)
@@ -89,7 +54,7 @@ class ModelOutcome:
 
 
 def _ids(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
+    return torch.randint(0, HF_VOCAB, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
 def _mesh(strategy: ShardingStrategy, world: int) -> DeviceMesh | None:
@@ -99,7 +64,7 @@ def _mesh(strategy: ShardingStrategy, world: int) -> DeviceMesh | None:
 
 
 def run_model_case(rank: int, world: int, case: ModelCase) -> ModelOutcome:
-    model, block = make_model(case.kind)
+    model, block = hf_model(case.kind)
     ref = copy.deepcopy(model)
     wrapped = FSDP(
         model,
@@ -180,7 +145,7 @@ class SaveCase:
 def dcp_save(rank: int, world: int, case: SaveCase) -> dict[str, np.ndarray]:
     """Train two Adam steps, save the sharded model and optimizer state dicts with DCP; the
     full values saved (optimizer entries as ``optim/<name>/<key>``)."""
-    model, block = make_model(case.kind)
+    model, block = hf_model(case.kind)
     wrapped = FSDP(
         model, auto_wrap_policy={block}, sharding_strategy=case.strategy, device_mesh=_mesh(case.strategy, world)
     )
@@ -210,7 +175,7 @@ def dcp_load(rank: int, world: int, case: tuple[SaveCase, dict[str, np.ndarray]]
     """Load the checkpoint into a differently initialised model on this world; the largest
     difference from the saved full values."""
     save, expected = case
-    model, block = make_model(save.kind)
+    model, block = hf_model(save.kind)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0)

@@ -1,5 +1,6 @@
 """What the memory tests run on each rank: training steps measured by ``LiveBytes``, with and
-without slow links, and the reference cycles a step leaves for the garbage collector."""
+without slow links, against FSDP1's, and the reference cycles a step leaves for the garbage
+collector."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from fsdp_core import CPUOffload, Event, HookEvent, MixedPrecision, Plan, Shardi
 from fsdp_core.memory import Executor, GatherBytes, backward_footprints, gather_bytes, unshard_footprints
 from fsdp_shell import FSDP
 from fsdp_shell.memory import LiveBytes
+from fsdp_shell.memory.measure import train_measured
+from fsdp_shell.memory.workload import Config, hf_model
 from fsdp_shell.runtime.cpu import CpuRuntime
 from fsdp_shell.runtime.interpreter import PlanRun
 from fsdp_shell.units.unshard import UnshardRunner
@@ -56,9 +59,7 @@ def _model(case: MemoryCase) -> tuple[nn.Module, type[nn.Module]]:
     if case.model == "mlp":
         torch.manual_seed(0)
         return nn.Sequential(*(Layer() for _ in range(UNITS))), Layer
-    from tests.worlds.hf_cases import make_model
-
-    return make_model(case.model)
+    return hf_model(case.model)
 
 
 def _loss(model: nn.Module, case: MemoryCase, rank: int) -> torch.Tensor:
@@ -108,6 +109,24 @@ def measuring_plans(live: LiveBytes, runtime: CpuRuntime, into: list[tuple[str, 
         for (plan, peak, net), want in zip(backward, predicted, strict=True):
             flags = plan.request.flags
             into.append((f"sync={flags.sync_gradients} accumulate={flags.accumulate}", peak, want.peak, net, want.net))
+
+
+def against_fsdp1(
+    rank: int, world: int, job: tuple[Config, int]
+) -> tuple[dict[str, dict[str, int]], list[tuple[str, int, int, int, int]]]:
+    """``job``'s configuration trained ``steps`` steps with ours, then with FSDP1, each measured
+    by ``train_measured``; and ours' post-backward plans measured against their prediction, as
+    ``measuring_plans`` measures them."""
+    cfg, steps = job
+    plans: list[tuple[str, int, int, int, int]] = []
+
+    def measuring(live: LiveBytes, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        assert isinstance(model, FSDP) and isinstance(model._tree.runtime, CpuRuntime)
+        return measuring_plans(live, model._tree.runtime, plans)
+
+    ours = train_measured(cfg, "ours", rank=rank, steps=steps, around=measuring)
+    fsdp1 = train_measured(cfg, "fsdp1", rank=rank, steps=steps)
+    return {"ours": ours, "fsdp1": fsdp1}, plans
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The emulated two-node cluster (``benchmarks/cluster.py``): rank placement, failure and
+"""The emulated two-node cluster (``fsdp_shell.cluster``): rank placement, failure and
 timeout reporting, and that no namespace outlives a run on any exit path. No timing checks.
 Skipped, with the reason, where network namespaces cannot be created (not root, a container
 without CAP_SYS_ADMIN/CAP_NET_ADMIN, no iproute2)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cluster import ADDRESSES, IFNAME, cluster_available, node_of, run_on_cluster
+from fsdp_shell.cluster import ADDRESSES, IFNAME, cluster_available, node_of, run_on_cluster
 from tests.worlds.cluster_cases import raise_on_rank_1, sleep, whoami
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_next_run_sweeps_namespaces_of_a_dead_process() -> None:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signalled_parent_kills_ranks_and_cleans_up(signum: signal.Signals) -> None:
     code = (
-        "from benchmarks.cluster import run_on_cluster; from tests.worlds.cluster_cases import sleep; "
+        "from fsdp_shell.cluster import run_on_cluster; from tests.worlds.cluster_cases import sleep; "
         "run_on_cluster(sleep, 60.0, ranks_per_node=1, timeout=120.0)"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))

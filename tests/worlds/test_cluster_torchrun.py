@@ -1,4 +1,4 @@
-"""Multi-node as users launch it, on the emulated two-node cluster (``benchmarks/cluster.py``).
+"""Multi-node as users launch it, on the emulated two-node cluster (``fsdp_shell.cluster``).
 
 ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint <node 0>:PORT``
 started in each node's namespace runs ``fsdp-demo --strategy HYBRID_SHARD --check --save``: the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cluster import ADDRESSES, PORT, cluster_available, nodes, start_in
+from fsdp_shell.cluster import ADDRESSES, PORT, cluster_available, nodes, start_in
 
 REPO = Path(__file__).resolve().parents[2]
 _REASON = cluster_available()

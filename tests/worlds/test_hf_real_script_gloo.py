@@ -38,20 +38,20 @@ from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from fsdp_shell import FSDP
+from fsdp_shell.memory.workload import HF_VOCAB, hf_model
 from tests.worlds.dist_harness import run_world
-from tests.worlds.hf_cases import VOCAB, make_model
 
 
 def _ids(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
+    return torch.randint(0, HF_VOCAB, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
 def _build(kind: str, rank: int) -> tuple[nn.Module, type[nn.Module]]:
-    model, block = make_model(kind)
+    model, block = hf_model(kind)
     if rank == 0:
         return model, block
     with torch.device("meta"):
-        meta, _ = make_model(kind)
+        meta, _ = hf_model(kind)
     return meta, block
 
 
@@ -72,7 +72,7 @@ def _wrap(wrapper: type[nn.Module], kind: str, rank: int, bf16: bool = True) -> 
             "param_init_fn": lambda m: m.to_empty(device=torch.device("cpu"), recurse=False),
         }
     else:
-        model, block = make_model(kind)
+        model, block = hf_model(kind)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block})
     return wrapper(model, auto_wrap_policy=policy, **common)
 
@@ -121,7 +121,7 @@ def script(rank: int, world: int, args: tuple[str, str]) -> dict[str, object]:
     set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
     out["resumed"] = _step(fresh, fresh_opt, 2, rank)
 
-    ref, _ = make_model(kind)
+    ref, _ = hf_model(kind)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses = []
     for step in range(3):
@@ -135,7 +135,7 @@ def script(rank: int, world: int, args: tuple[str, str]) -> dict[str, object]:
     out["reference"] = ref_losses
     for label, wrapper in (("theirs", TorchFSDP), ("ours", FSDP)):
         out[f"{label} tokens"] = _generate(_wrap(wrapper, kind, rank, bf16=False), wrapper)
-    plain, _ = make_model(kind)
+    plain, _ = hf_model(kind)
     with torch.no_grad():
         out["reference tokens"] = plain.generate(  # type: ignore[operator]  # a Hugging Face model
             torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, pad_token_id=0

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_memory import CONFIGS, measure
 from fsdp_core import PLANS_IN_FLIGHT, ShardingStrategy
+from fsdp_shell.memory.measure import PHASES
+from fsdp_shell.memory.workload import Config
 from tests.worlds.dist_harness import run_world
 from tests.worlds.memory_cases import (
     MemoryCase,
+    against_fsdp1,
     outliving_their_model,
     tensors_in_cycles,
     timing_independent,
@@ -115,20 +117,29 @@ def test_a_deleted_model_frees_its_parameters(world: int) -> None:
             assert without_gc == [], f"rank {rank}, {case}: freed only by the garbage collector"
 
 
-@pytest.mark.parametrize(
-    "name", ["mlp-no_shard-bf16", "mlp-hybrid_shard-bf16", "mlp-full_shard-bf16-no_sync", "gpt2-full_shard-orig-bf16"]
-)
+FSDP1_CASES = {
+    "mlp-no_shard-bf16": Config("NO_SHARD", bf16=True),
+    "mlp-hybrid_shard-bf16": Config("HYBRID_SHARD", bf16=True),
+    "mlp-full_shard-bf16-no_sync": Config("FULL_SHARD", bf16=True, accumulate=2),
+    "gpt2-full_shard-orig-bf16": Config("FULL_SHARD", model="gpt2", orig=True, bf16=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FSDP1_CASES))
 def test_live_bytes_per_rank_do_not_exceed_fsdp1s(name: str) -> None:
-    """``benchmarks/bench_memory.py``'s measurement: every phase's peak and the bytes after the
-    last step, per rank, at most FSDP1's in the same world (FSDP1's may come out a few bytes
-    high, never low: gloo's threads free its buffers late); and every hook as predicted. Before:
-    NO_SHARD with bf16 held every unit's bf16 copy from forward to backward (+12-15%); a bf16
-    all-gather in flight held a copy of the shard (GPT-2's backward +2%)."""
-    cfg = CONFIGS[name]
-    for rank, out in enumerate(run_world(cfg.world, measure, (cfg, 2), timeout=300)):
-        for phase in ("forward", "backward", "optimizer", "after"):
+    """``fsdp_shell.memory.measure``'s measurement (``benchmarks/bench_memory.py``'s): every
+    phase's peak and the bytes after the last step, per rank, at most FSDP1's in the same world
+    (FSDP1's may come out a few bytes high, never low: gloo's threads free its buffers late);
+    and every hook as predicted. Before: NO_SHARD with bf16 held every unit's bf16 copy from
+    forward to backward (+12-15%); a bf16 all-gather in flight held a copy of the shard (GPT-2's
+    backward +2%)."""
+    cfg = FSDP1_CASES[name]
+    for rank, (out, plans) in enumerate(run_world(cfg.world, against_fsdp1, (cfg, 2), timeout=300)):
+        for phase in PHASES:
             assert out["ours"][phase] <= out["fsdp1"][phase], f"rank {rank} {phase}: {out}"
-        assert out["ours"]["hooks"] > 0 and out["ours"]["hooks_exact"] == out["ours"]["hooks"]
+        assert plans, f"rank {rank}: no post-backward plan measured"
+        for kind, peak, want_peak, net, want_net in plans:
+            assert (peak, net) == (want_peak, want_net), f"rank {rank}, plan {kind}"
 
 
 def test_the_library_keeps_nothing_per_step() -> None:

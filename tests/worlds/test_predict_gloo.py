@@ -4,28 +4,34 @@ trains on a real gloo world (``LiveBytes``: exact live tensor-storage bytes), to
 the peak of every phase and the bytes left after the last step, on every rank.
 
 A few configurations spanning the strategies, bf16, ``use_orig_params``, ``no_sync``, offload,
-prefetch, optimizers and models; ``python benchmarks/bench_predict.py`` runs 30.
+prefetch, optimizers and models (``fsdp_shell.predict.against.compare``, the same as
+``python benchmarks/bench_predict.py`` runs on 30).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_predict import CONFIGS, compare
+from fsdp_shell.memory.workload import Config
+from fsdp_shell.predict.against import compare
 
-CASES = [
-    "mlp-full_shard-orig-bf16-no_sync",
-    "mlp-shard_grad_op-bf16-no_sync",
-    "mlp-hybrid_shard-sync-no_sync",
-    "mlp-full_shard-offload-bf16-orig",
-    "mlp-full_shard-no_prefetch-forward_prefetch",
-    "demo-full_shard",
-    "gpt2-full_shard-bf16-orig",
-    "llama-hybrid_shard_zero2-orig-sgd_momentum",
-]
+CASES = {
+    "mlp-full_shard-orig-bf16-no_sync": Config("FULL_SHARD", orig=True, bf16=True, accumulate=2),
+    "mlp-shard_grad_op-bf16-no_sync": Config("SHARD_GRAD_OP", bf16=True, accumulate=3),
+    "mlp-hybrid_shard-sync-no_sync": Config("HYBRID_SHARD", hybrid_all_reduce="sync", accumulate=2),
+    "mlp-full_shard-offload-bf16-orig": Config("FULL_SHARD", offload=True, bf16=True, orig=True),
+    "mlp-full_shard-no_prefetch-forward_prefetch": Config(
+        "FULL_SHARD", backward_prefetch="none", forward_prefetch=True
+    ),
+    "demo-full_shard": Config("FULL_SHARD", model="demo"),
+    "gpt2-full_shard-bf16-orig": Config("FULL_SHARD", model="gpt2", bf16=True, orig=True),
+    "llama-hybrid_shard_zero2-orig-sgd_momentum": Config(
+        "HYBRID_SHARD_ZERO2", model="llama", orig=True, optimizer="sgd_momentum"
+    ),
+}
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", list(CASES))
 def test_predicted_bytes_are_the_measured_ones(name: str) -> None:
-    for rank, (predicted, measured) in enumerate(compare(CONFIGS[name], steps=2)):
+    for rank, (predicted, measured) in enumerate(compare(CASES[name], steps=2)):
         assert predicted == measured, f"rank {rank}"

@@ -2,7 +2,7 @@
 steady-state ``loss.backward()`` of a one-unit model (``Linear(10, 9)``, FULL_SHARD, 2 gloo
 ranks), for this library and for PyTorch's FSDP2 (``fully_shard``) on the same model.
 
-Run on demand: ``python benchmarks/gradient_path.py [--json] [--list]``. Prints, per
+Run on demand: ``python scripts/gradient_path.py [--json] [--list]``. Prints, per
 implementation, the distinct functions and files that ran and how often the call sequence moved
 from one file to another. Library code is ``fsdp_core``/``fsdp_shell`` for ours and
 ``torch/distributed/fsdp`` for FSDP2. ``docs/design.md`` quotes the counts and

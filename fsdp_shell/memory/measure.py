@@ -1,0 +1,84 @@
+"""A training configuration's live bytes on one gloo rank, by phase: ours and FSDP1 alike.
+
+``train_measured`` wraps ``Config``'s model (``fsdp_shell.memory.workload``) with one
+implementation and trains it with its optimizer for ``steps`` steps under ``LiveBytes``
+(everything from the model's construction on is counted), each forward, backward and optimizer
+step a phase of its own; it returns the peak of each of ``PHASES`` over all steps and the bytes
+still live after the last (``"after"``). ``measure`` is the same for several implementations in
+turn, as ``fsdp_shell.cli.launch.run_world`` calls it on every rank.
+
+``around``, given the counter and the wrapped model, makes a context that the training steps
+run inside: a caller's further measurements of the same run (the memory tests measure every
+post-backward hook against its prediction that way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp_shell.memory.live import LiveBytes
+from fsdp_shell.memory.workload import Config, Impl, loss_of, optimizer_of, wrap
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    from fsdp_shell.fsdp import FullyShardedDataParallel
+
+__all__ = ["PHASES", "Around", "implementations", "measure", "train_measured"]
+
+PHASES = ("forward", "backward", "optimizer", "after")
+"""What a measurement reports, in bytes: the peak of every step's forward, backward and
+optimizer step, and the bytes live after the last step."""
+
+Around = Callable[[LiveBytes, "FullyShardedDataParallel | TorchFSDP"], AbstractContextManager[object]]
+"""Given the counter and the wrapped model: a context for the training steps."""
+
+
+def implementations(cfg: Config) -> tuple[Impl, ...]:
+    """Ours and FSDP1, or ours alone where FSDP1 cannot run ``cfg`` (it refuses
+    ``CPUOffload(offload_params=True)`` without an accelerator: it pins memory)."""
+    return ("ours",) if cfg.offload else ("ours", "fsdp1")
+
+
+def train_measured(cfg: Config, impl: Impl, *, rank: int, steps: int, around: Around | None = None) -> dict[str, int]:
+    """``cfg`` trained for ``steps`` steps on this rank, wrapped by ``impl``: bytes by ``PHASES``
+    (module docstring)."""
+    gc.collect()
+    with LiveBytes() as live:
+        model = wrap(impl, cfg)
+        opt = optimizer_of(cfg, model.parameters())
+        with contextlib.nullcontext() if around is None else around(live, model):
+            for step in range(steps):
+                for micro in range(cfg.accumulate):
+                    sync = micro == cfg.accumulate - 1
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        with live.phase("forward"):
+                            loss = loss_of(model, cfg, rank, step)
+                        with live.phase(f"backward {step}.{micro}"):
+                            torch.autograd.backward(loss)
+                        del loss
+                with live.phase("optimizer"):
+                    opt.step()
+                    opt.zero_grad()
+        out = {
+            "forward": live.peaks["forward"],
+            "backward": max(v for k, v in live.peaks.items() if k.startswith("backward")),
+            "optimizer": live.peaks["optimizer"],
+            "after": live.current,
+        }
+        del model, opt
+    return out
+
+
+def measure(rank: int, world: int, job: tuple[Config, int, tuple[Impl, ...]]) -> dict[Impl, dict[str, int]]:
+    """On every rank of a world of ``job``'s configuration: ``train_measured`` for each of the
+    implementations named (``implementations``: all that can run it), ``steps`` steps each, in
+    turn."""
+    cfg, steps, impls = job
+    return {impl: train_measured(cfg, impl, rank=rank, steps=steps) for impl in impls}
