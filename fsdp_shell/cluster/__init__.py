@@ -16,8 +16,7 @@ Usage (``fn`` at the top level of a module, so that it pickles)::
 
 The nodes, their link and their lifetime are ``nodes``' (``nodes()`` gives them to a launcher
 of one's own, such as ``torchrun`` in each node through ``start_in``); ``run_on_cluster`` is
-``run``'s. Self-check, printing the measured link figures: ``python -m fsdp_shell.cluster
-[--rate 400]`` (``check``).
+``run``'s. Its links measured: ``python benchmarks/cluster_link.py [--rate 400]``.
 """
 
 from fsdp_shell.cluster.nodes import (

@@ -152,12 +152,14 @@ class InProcessWorld:
             meeting.arrived[position] = (signature, src, dst)
             if len(meeting.arrived) == len(members):
                 ordered = [meeting.arrived[p] for p in range(len(members))]
-                if len({s for s, _, _ in ordered}) > 1:
-                    meeting.error = SimulationError(
-                        f"ranks {members} issue different collectives: {[s for s, _, _ in ordered]}"
-                    )
-                else:
+                try:
+                    if len({s for s, _, _ in ordered}) > 1:
+                        raise SimulationError(
+                            f"ranks {members} issue different collectives: {[s for s, _, _ in ordered]}"
+                        )
                     land([s for _, s, _ in ordered], [d for _, _, d in ordered])
+                except SimulationError as error:
+                    meeting.error = error
                 meeting.done = True
                 self._cond.notify_all()
             while not meeting.done:

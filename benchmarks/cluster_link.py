@@ -1,6 +1,6 @@
-"""The emulated cluster's self-check: its links measured, as a rank of each node sees them.
+"""The emulated cluster's links measured (``fsdp_shell.cluster``), as a rank of each node sees them.
 
-Run as root: ``python -m fsdp_shell.cluster [--rate 400] [--mbytes 8]``. Prints the inter- and
+Run as root: ``python benchmarks/cluster_link.py [--rate 400] [--mbytes 8]``. Prints the inter- and
 intra-node bandwidth of a large send and of a 1 MB one, the round trip of one float32 inside a
 node and across the link, and a one-element all-reduce of all four ranks, beside the ``tbf``
 shaping they were measured under (``Link``).
@@ -12,12 +12,14 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fsdp_shell.cluster.nodes import Link, cluster_available
-from fsdp_shell.cluster.run import run_on_cluster
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fsdp_shell.cluster import Link, cluster_available, run_on_cluster
 
 __all__ = ["main"]
 
@@ -66,7 +68,7 @@ def _probe(rank: int, world: int, nbytes: int) -> dict[tuple[str, int], float]:
 
 def main() -> None:
     """The self-check's command line (module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m fsdp_shell.cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/cluster_link.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=400.0, help="inter-node rate, Mbit/s (default 400)")
     parser.add_argument("--mbytes", type=float, default=8.0, help="bytes per timed send, MB (default 8)")
     args = parser.parse_args()
@@ -94,3 +96,7 @@ def main() -> None:
         f"(the rate counts Ethernet/IP/TCP headers: TCP payload gets ~{link.rate_mbit * 1448 / 1514 / 8:.1f} MB/s "
         f"at MTU 1500; the first {link.burst_bytes} B after idle pass unshaped)"
     )
+
+
+if __name__ == "__main__":
+    main()
