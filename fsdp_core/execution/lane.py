@@ -95,9 +95,6 @@ class LaneOrder(Generic[T]):
         self._last_use: dict[Hashable, int] = {}
         self._plan_marks: deque[int] = deque(maxlen=PLANS_IN_FLIGHT + 1)
         self._frees: list[tuple[int, T]] = []
-        self.most_plans_in_flight = 0
-        """The most plans whose lane work the host had not waited for when a plan began (the
-        bound's witness, for tests)."""
 
     def fork(self) -> LaneOrder[T]:
         """An independent copy of the state (the items deferred are shared)."""
@@ -106,7 +103,6 @@ class LaneOrder(Generic[T]):
         other._tail, other._last_use = dict(self._tail), dict(self._last_use)
         other._plan_marks.extend(self._plan_marks)
         other._frees = list(self._frees)
-        other.most_plans_in_flight = self.most_plans_in_flight
         return other
 
     def behind(self, keys: Iterable[Key], uses: Iterable[Hashable]) -> bool:
@@ -163,8 +159,6 @@ class LaneOrder(Generic[T]):
         caller waits, then calls ``waited_through`` with it."""
         marks = self._plan_marks
         marks.append(self.submitted)
-        in_flight = sum(1 for m in list(marks)[1:] if m > self.waited)
-        self.most_plans_in_flight = max(self.most_plans_in_flight, in_flight)
         return marks[0] if len(marks) == marks.maxlen else 0
 
     def waited_through(self, ticket: int) -> list[T]:

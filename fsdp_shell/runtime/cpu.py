@@ -123,11 +123,6 @@ class CpuRuntime:
     def lane_issues_shard(self) -> bool:
         return self.order.lane_issues_shard
 
-    @property
-    def most_plans_in_flight(self) -> int:
-        """The most plans whose lane work the host had not waited for when a plan began."""
-        return self.order.most_plans_in_flight
-
     # -- carrying out the decisions ------------------------------------------------------------
 
     def _run(self, place: Place, work: Callable[[], object]) -> None:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_core import CPUOffload, Event, HookEvent, MixedPrecision, Plan, ShardingStrategy
+from fsdp_core import PLANS_IN_FLIGHT, CPUOffload, Event, HookEvent, MixedPrecision, Plan, ShardingStrategy
+from fsdp_core.execution import LaneOrder
 from fsdp_core.memory import Executor, GatherBytes, backward_footprints, gather_bytes, unshard_footprints
 from fsdp_shell import FSDP
 from fsdp_shell.memory import LiveBytes
@@ -130,6 +131,27 @@ def against_fsdp1(
 
 
 @contextlib.contextmanager
+def _counting_plans_in_flight(order: LaneOrder[torch.Tensor], into: list[int]) -> Iterator[None]:
+    """For the block: at each plan ``order`` begins, how many of the ``PLANS_IN_FLIGHT`` latest
+    plans (this one included) began with lane work before them the host had not waited for, as
+    ``LaneOrder.begin_plan`` finds it (the bound's witness, kept here rather than on the order)."""
+    begin_plan = LaneOrder.begin_plan
+    marks: list[int] = []
+
+    def counted(self: LaneOrder[torch.Tensor]) -> int:
+        if self is order:
+            marks.append(self.submitted)
+            into.append(sum(1 for m in marks[-PLANS_IN_FLIGHT:] if m > self.waited))
+        return begin_plan(self)
+
+    LaneOrder.begin_plan = counted  # type: ignore[method-assign,assignment]  # test-only instrumentation, undone below
+    try:
+        yield
+    finally:
+        LaneOrder.begin_plan = begin_plan  # type: ignore[method-assign]  # the original
+
+
+@contextlib.contextmanager
 def _measuring_gathers(live: LiveBytes, model: FSDP, into: list[tuple[str, int, int, int, int]]) -> Iterator[None]:
     """For the block: each hook's all-gather actions (``UnshardRunner.run``) measured in a
     ``live`` window; at the end, those of the iterations that ran the planned schedule beside
@@ -201,10 +223,15 @@ def _train(rank: int, world: int, case: MemoryCase) -> Measured:
         assert isinstance(runtime, CpuRuntime)
         plans: list[tuple[str, int, int, int, int]] = []
         gathers: list[tuple[str, int, int, int, int]] = []
-        with measuring_plans(live, runtime, plans), _measuring_gathers(live, model, gathers):
+        in_flight: list[int] = []
+        with (
+            measuring_plans(live, runtime, plans),
+            _measuring_gathers(live, model, gathers),
+            _counting_plans_in_flight(runtime.order, in_flight),
+        ):
             _steps(model, opt, live, case, rank)
         peaks = {k: v for k, v in live.peaks.items() if k != "other"}
-        measured = Measured(peaks, runtime.most_plans_in_flight, plans, gathers)
+        measured = Measured(peaks, max(in_flight, default=0), plans, gathers)
         del model, opt
     return measured
 
