@@ -23,6 +23,7 @@ overlap does not recover. Issue 36's goal for ours: at most 1.08.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -74,7 +75,7 @@ def _collectives(model: FSDP, rank: int, world: int) -> Callable[[], None]:
         for out, _ in flats:
             dst = torch.empty(out.numel() // world)
             chunks = torch.empty_like(out)
-            completed(lambda out=out, dst=dst, chunks=chunks: gloo_reduce_scatter(dst, out, group, chunks), (out,))
+            completed(functools.partial(gloo_reduce_scatter, dst, out, group, chunks), (out,))
         all_gather_flat(*check, group)
 
     return run
@@ -124,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     # the slowest rank's time per round, as the step ends when the last rank's does
     t = {k: [max(r[k][i] for r in per_rank) for i in range(args.rounds)] for k in per_rank[0]}
     floor = [c + k for c, k in zip(t["compute"], t["collectives"])]
-    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+
+    def ms(xs: list[float]) -> float:
+        return statistics.median(xs) * 1e3
+
     shape = f"{BLOCKS} transformer blocks (d{D}, seq {SEQ}, batch {BATCH})"
     print(f"{shape}, FULL_SHARD on 2 gloo ranks, {args.rounds} rounds")
     parts = f"compute alone {ms(t['compute']):.1f} + collectives alone {ms(t['collectives']):.1f}"

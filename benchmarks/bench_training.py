@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -130,7 +131,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> floa
     loss.backward()
     opt.step()
     opt.zero_grad()
-    return loss.detach().item()
+    return float(loss.detach().item())
 
 
 def bench(rank: int, world: int, arg: tuple[str, int]) -> dict[str, object]:
@@ -252,12 +253,10 @@ def main() -> None:
             lo, mid, hi = _quartiles([a / b for a, b in zip(ours, times[other])])
             line.append(f"{other} {statistics.median(times[other]) * 1e3:7.2f} ms, ratio {mid:.2f} [{lo:.2f}-{hi:.2f}]")
         print(" | ".join(line))
+        rank_losses = [cast(dict[str, list[float]], per_rank["losses"]) for per_rank in out]
         worst = max(
-            abs(a - b)
-            for per_rank in out
-            for other in ("fsdp1", "fsdp2")
-            for a, b in zip(per_rank["losses"]["ours"], per_rank["losses"][other])
-        )  # type: ignore[index]
+            abs(a - b) for lo in rank_losses for other in ("fsdp1", "fsdp2") for a, b in zip(lo["ours"], lo[other])
+        )
         print(
             f"{'':>8}losses: largest difference from FSDP1/FSDP2 over {len(losses['ours'])} steps, "
             f"all ranks: {worst:.2e}"
@@ -272,7 +271,7 @@ def main() -> None:
             )
             + "  (ours/fsdp1/fsdp2)"
         )
-        misses, _, verify_us = out[0]["plans"]  # type: ignore[misc]
+        misses, _, verify_us = cast(tuple[int, int, float], out[0]["plans"])
         print(
             f"{'':>8}plans: {misses} built and verified once ({verify_us:.0f} us each); each later "
             "backward looks its plan up by unit and carried roles (Tree.step_plan)"

@@ -391,7 +391,7 @@ def measure(rank: int, world: int, job: tuple[Config, list[Size], int, int, Pinn
                 dist.barrier()
                 waited = [0.0]
                 start = time.perf_counter()
-                with host_waits(waited), contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]  # our wrapper
+                with host_waits(waited), contextlib.nullcontext() if sync else model.no_sync():
                     loss = loss_of(model, cfg, rank, step)
                     torch.autograd.backward(loss)
                 if timed and sync:

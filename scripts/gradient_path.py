@@ -93,7 +93,9 @@ def trace_rank(rank: int, world: int, arg: None) -> dict[str, dict[str, Any]]:
     x = torch.randn(4, 10)
     ours = _trace(tracer, FSDP(nn.Linear(10, 9)), x, OURS)
     mesh = init_device_mesh("cpu", (world,))
-    fsdp2 = _trace(tracer, fully_shard(nn.Linear(10, 9), mesh=mesh), x, (TORCH_FSDP,))
+    sharded = nn.Linear(10, 9)
+    fully_shard(sharded, mesh=mesh)
+    fsdp2 = _trace(tracer, sharded, x, (TORCH_FSDP,))
     return {"ours": ours, "fsdp2": fsdp2}
 
 
