@@ -1,7 +1,7 @@
 """The in-process world's ranks meet as ``torch.distributed`` says they do: its process groups
 under ``torch.distributed``'s own functions, values worked out by hand; a reduction rounds once;
 a rank that never comes, a different collective or a failing rank ends the world with an error
-instead of a hang. (What plans compute on it: ``test_simulated_world.py``.)"""
+instead of a hang. (What plans compute on it: ``test_simulated_world_*.py``.)"""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from fsdp_shell.memory.workload import Config, hf_model
 from fsdp_shell.runtime.cpu import CpuRuntime
 from fsdp_shell.runtime.interpreter import PlanRun
 from fsdp_shell.units.unshard import UnshardRunner
-from tests.worlds.runtime_cases import slow_links
+from tests.worlds.runtime_order_cases import slow_links
 
 WIDTH = 64
 UNITS = 6

@@ -1,4 +1,4 @@
-"""The runtime keeps the plans' promises, on real gloo worlds (see tests/worlds/runtime_cases.py).
+"""The runtime keeps the plans' promises, on real gloo worlds (see tests/worlds/runtime_*_cases.py).
 
 - Speed: one profiled training step runs no per-parameter slice gradient and no more
   full-size fills, adds and copies than PyTorch's FSDP1 (op counts are deterministic).
@@ -22,22 +22,11 @@ import pytest
 from fsdp_core import Group
 from fsdp_shell.runtime.log import Phase
 from tests.worlds.dist_harness import run_world
-from tests.worlds.runtime_cases import (
-    MEASURED_STEPS,
-    Lifetimes,
-    OpCounts,
-    OperandFree,
-    Ordered,
-    Overlap,
-    Prefetched,
-    collective_order,
-    grad_lifetimes,
-    hybrid_overlap,
-    op_counts,
-    operand_free_gathers,
-    prefetch_cases,
-    released_operands,
-)
+from tests.worlds.runtime_lifetime_cases import Lifetimes, grad_lifetimes
+from tests.worlds.runtime_op_count_cases import OpCounts, op_counts
+from tests.worlds.runtime_operand_cases import OperandFree, operand_free_gathers, released_operands
+from tests.worlds.runtime_order_cases import Ordered, Prefetched, collective_order, prefetch_cases
+from tests.worlds.runtime_overlap_cases import MEASURED_STEPS, Overlap, hybrid_overlap
 
 
 @pytest.fixture(scope="module")
