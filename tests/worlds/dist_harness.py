@@ -71,7 +71,7 @@ def _serve(rank: int, world: int, port: int, inbox: mp.Queue[Any], out: mp.Queue
 
 class _World:
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = launch.world_context()
         self.size = size
         self.cases = 0
         self.out: mp.Queue[Any] = ctx.Queue()
