@@ -25,6 +25,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
@@ -85,12 +86,16 @@ PRELOAD = ("torch", "torch.distributed", "fsdp_shell.fsdp")
 def world_context() -> ForkServerContext | SpawnContext:
     """Where the platform has it, ``forkserver``: each rank is forked from one server process
     that has imported torch and this library (``PRELOAD``) once, instead of importing them
-    itself (about 2 s of CPU per rank). The server starts with the first world, single-threaded,
-    with the environment of that moment, and ends with this process. Elsewhere ``spawn``."""
+    itself (about 2 s of CPU per rank). The server starts at the first call, single-threaded,
+    with this process's environment of that moment (one OpenMP thread per rank unless
+    ``OMP_NUM_THREADS`` says otherwise), which every rank it forks inherits; it ends with this
+    process. Elsewhere ``spawn``."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
+    with _one_thread_per_rank():
+        forkserver.ensure_running()
     return ctx
 
 

@@ -52,7 +52,7 @@ from typing import Literal
 import pytest
 from mkdocs.config import load_config
 
-from fsdp_shell.cli.launch import free_port
+from fsdp_shell.cli.launch import free_port, world_context
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -274,20 +274,31 @@ def test_code_block(block: Block, tmp_path: Path) -> None:
         return
     path = tmp_path / f"{block.page.stem}_L{block.line}.py"
     path.write_text("\n" * block.line + block.code, encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if block.mode == "torchrun2":
-        _run_on_two_ranks(block, path, env)
+        _run_on_two_ranks(block, path, {**os.environ, "OMP_NUM_THREADS": "1"})
         return
-    result = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(path), block.mode],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, f"{block.id} failed:\n{result.stdout}\n{result.stderr}"
+    log = tmp_path / "output.txt"
+    child = world_context().Process(target=_run_block, args=(str(path), block.mode, str(log)))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"{block.id} did not finish within 120 s:\n{log.read_text()}")
+    assert child.exitcode == 0, f"{block.id} failed:\n{log.read_text()}"
+
+
+def _run_block(path: str, mode: str, log: str) -> None:
+    """A fresh process for one block (forked from the fork server that has imported torch and
+    the library, ``launch.world_context``): in the repository, its output in ``log``, run by
+    ``RUNNER`` as ``python -c RUNNER path mode`` would run it."""
+    os.chdir(ROOT)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = ["-c", path, mode]
+    exec(compile(RUNNER, "<runner>", "exec"), {"__name__": "__runner__"})  # the runner above
 
 
 def _run_on_two_ranks(block: Block, path: Path, env: dict[str, str]) -> None:
