@@ -23,9 +23,9 @@ The tiers (each folder's __init__.py says what it holds): tests/core, tests/shel
 tests/worlds (real gloo worlds), tests/device (the accelerator runtime), tests/meta (the code base).
 Hypothesis properties run a fixed, derandomized budget; FSDP_HYPOTHESIS=nightly gives each ten
 times its examples, drawn at random (tests/budget.py).
-The whole command takes about 15 minutes on a 2-core machine (CI, 2026-12-05: 14 min 30 s
-and 15 min 26 s; pytest alone 13 min 50 s to 16 min 47 s on the same suite); --quick well
-under a minute.
+The whole command takes 11-12 minutes on a 2-core machine (CI, 2026-12-05: 12 min 01 s and
+11 min 17 s, pytest 11 min 24 s and 10 min 39 s; the same suite's pytest has varied by about
+3 minutes from run to run); --quick well under a minute.
 Arguments go to pytest, for example:
   bash scripts/test.sh tests/core/test_rounding.py
   bash scripts/test.sh tests/worlds/test_demo.py -k check
