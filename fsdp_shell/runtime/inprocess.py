@@ -189,15 +189,15 @@ def _reduce(tensors: Sequence[Tensor], op: dist.ReduceOp) -> Tensor:
     """``op`` over ``tensors`` in order, accumulated in float32 (float64 for float64), in the
     accumulation dtype (the caller rounds once)."""
     acc = _accumulation_dtype(tensors[0].dtype)
-    total = torch.zeros(tensors[0].shape, dtype=acc)
     kind = _kind(op)
     if kind == dist.ReduceOp.MAX:
         return torch.stack([t.to(acc) for t in tensors]).amax(0)
-    scale = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else 1.0
     if kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM):
         raise SimulationError(f"reduce op {kind} is not one the plans use")
+    scale = float(op.factor) if kind == dist.ReduceOp.PREMUL_SUM else 1.0  # x 1.0 is exact
+    total = torch.zeros(tensors[0].shape, dtype=acc)
     for t in tensors:
-        total += t.to(acc) * scale if scale != 1.0 else t.to(acc)
+        total += t.to(acc) * scale
     if kind == dist.ReduceOp.AVG:
         total /= len(tensors)
     return total
