@@ -35,9 +35,8 @@ from fsdp_shell.memory.workload import Config, loss_of, model_of, optimizer_of, 
 from fsdp_shell.predict import Prediction
 from fsdp_shell.predict.against import predict
 from fsdp_shell.predict.trace import TraceUnit, time_trace
-from fsdp_shell.runtime.collectives import all_gather_flat
+from fsdp_shell.runtime.collectives import Pending, all_gather_flat
 from fsdp_shell.runtime.cpu import gloo_reduce_scatter
-from fsdp_shell.runtime.protocol import Pending
 from fsdp_shell.units.build import find_units, param_names, unit_params
 
 Size = tuple[Collective, Group, int, torch.dtype]

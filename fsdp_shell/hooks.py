@@ -36,7 +36,7 @@ from fsdp_core import Event, HookEvent
 from fsdp_shell.runtime.interpreter import PlanRun
 from fsdp_shell.runtime.log import Phase
 from fsdp_shell.safety.agreement import RankMismatchError, check_agreement, check_same_events
-from fsdp_shell.safety.timeouts import translating_timeouts
+from fsdp_shell.safety.timeouts import timeout_error
 from fsdp_shell.tree import IterationState, Tree
 from fsdp_shell.units.forward_io import cast_inputs, tensors_in
 
@@ -64,14 +64,8 @@ def install(tree: Tree) -> None:
     for unit, h in enumerate(tree.handles):
         if h is not None and h.flat_param.requires_grad:
             h.flat_param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
-                functools.partial(_post_backward_of, tree_ref, unit)
+                functools.partial(post_backward, tree_ref, unit)
             )
-
-
-def _post_backward_of(tree_ref: weakref.ref[Tree], unit: int, flat_param: torch.Tensor) -> None:
-    tree = tree_ref()
-    if tree is not None:
-        post_backward(tree, unit, flat_param)
 
 
 # -- forward ------------------------------------------------------------------------------------
@@ -194,8 +188,12 @@ def _unshard_for_backward(tree: Tree, unit: int) -> None:
         h.use_unsharded_views()
 
 
-def post_backward(tree: Tree, unit: int, flat_param: torch.Tensor) -> None:
-    """The flat parameter's post-accumulate-grad hook: reduce its new gradient."""
+def post_backward(tree_ref: weakref.ref[Tree], unit: int, flat_param: torch.Tensor) -> None:
+    """The flat parameter's post-accumulate-grad hook: reduce its new gradient (``install``: the
+    tree is held weakly; without it there is nothing to do)."""
+    tree = tree_ref()
+    if tree is None:
+        return
     h = tree.handles[unit]
     assert h is not None and h.flat_param is flat_param
     if unit in tree.iteration.reduced_virtually:
@@ -225,7 +223,7 @@ def _reduce(tree: Tree, unit: int, take_grad: Callable[[], torch.Tensor]) -> Non
 
 def end_of_backward(tree: Tree) -> None:
     """The autograd engine's callback once backward is done: every plan's deferred ops, then every
-    unit finished; a new iteration state."""
+    unit finished; a new iteration state; the all-gather schedule planned after the first."""
     with _waiting(tree, tree.root, "end of backward"):
         _sequence(tree, HookEvent(Event.END_BACKWARD, -1), True)
         it = tree.iteration
@@ -235,25 +233,22 @@ def end_of_backward(tree: Tree) -> None:
                     run.run_callback_ops()
                 tree.runtime.settle()
         finally:
-            _finish_units(tree, it)
+            # every unit finished: original parameters back; where no plan handed a gradient off,
+            # ``.grad`` shown as it was; what no plan resharded freed, unless the strategy keeps
+            # it for the next accumulation step
+            sync = tree.settings.sync_gradients
+            reshard = tree.unshard.reshards_after_backward[sync]
+            handed_off = {unit for unit, run in it.runs if run.done}
+            for unit, h in enumerate(tree.handles):
+                if h is None:
+                    continue
+                h.restore_params()
+                if unit not in handed_off:
+                    h.expose()
+                if reshard:
+                    h.free_unsharded()
             tree.iteration = IterationState()
-        tree.unshard.end_backward(sync_gradients=tree.settings.sync_gradients)
-
-
-def _finish_units(tree: Tree, it: IterationState) -> None:
-    """After a backward: original parameters back; where no plan handed a gradient off, ``.grad``
-    shown as it was; what no plan resharded freed, unless the strategy keeps it for the next
-    accumulation step."""
-    reshard = tree.options.strategy.reshards_after_backward(tree.settings.sync_gradients)
-    handed_off = {unit for unit, run in it.runs if run.done}
-    for unit, h in enumerate(tree.handles):
-        if h is None:
-            continue
-        h.restore_params()
-        if unit not in handed_off:
-            h.expose()
-        if reshard:
-            h.free_unsharded()
+        tree.unshard.end_backward(sync_gradients=sync)
 
 
 def abandon_backward(tree: Tree) -> None:
@@ -334,10 +329,12 @@ def _waiting(tree: Tree, unit: int, step: str) -> Iterator[None]:
     """One FSDP step of ``unit``: a range ``fsdp::<step> unit <n>`` in a ``torch.profiler`` trace
     (so Perfetto tells one unit's collectives from another's), and a backend's timeout in it
     translated to ``CollectiveTimeoutError``."""
-    where = functools.partial(tree.where, unit)
     label = f"fsdp::{step} unit {unit}" if unit >= 0 else f"fsdp::{step}"
-    with (
-        torch.profiler.record_function(label),
-        translating_timeouts(step, where, sequenced=tree.options.ranks_may_diverge),
-    ):
-        yield
+    with torch.profiler.record_function(label):
+        try:
+            yield
+        except RuntimeError as error:
+            timeout = timeout_error(error, step, functools.partial(tree.where, unit), tree.options.ranks_may_diverge)
+            if timeout is None:
+                raise
+            raise timeout from error

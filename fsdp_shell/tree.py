@@ -126,6 +126,8 @@ class Tree:
     """Every unit's module path in the unwrapped model by unit index ("" for the root)."""
     ignored_params: tuple[tuple[str, nn.Parameter], ...] = ()
     """The parameters FSDP leaves alone (``ignored_modules``/``ignored_states``) with their names."""
+    root: int = field(init=False)
+    """The root unit's index: the last."""
     plans: PlanCache = field(default_factory=lambda: PlanCache(verify=True))
     """Every post-backward plan of the tree, verified once when first built."""
     iteration: IterationState = field(default_factory=IterationState)
@@ -139,6 +141,9 @@ class Tree:
         default_factory=lambda: (None, {}), repr=False
     )
     """The plans of the settings in force, by unit and carried roles (``step_plan``)."""
+
+    def __post_init__(self) -> None:
+        self.root = len(self.handles) - 1
 
     def step_plan(self, unit: int, roles: frozenset[InputRole]) -> Plan:
         """Unit ``unit``'s post-backward plan this step, given the roles it carries: built and
@@ -157,11 +162,6 @@ class Tree:
             flags = step_flags(roles, sync_gradients=s.sync_gradients, requires_all_reduce=s.requires_all_reduce)
             plan = plans[(unit, roles)] = self.plans(s.request(h.request, flags))
         return plan
-
-    @property
-    def root(self) -> int:
-        """The root unit's index."""
-        return len(self.handles) - 1
 
     @property
     def flat_handles(self) -> list[FlatParamHandle]:

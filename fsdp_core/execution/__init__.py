@@ -5,18 +5,21 @@ memory model that prices it (``fsdp_core.memory``) and the simulator that times 
 
 - ``lane``: the CPU runtime's placement of each op on the host thread or the lane
   (``LaneOrder``: ``compute``, ``collective``, ``on_host``, ``free``, ``begin_plan``, ``drain``),
-  ``PLANS_IN_FLIGHT``, and when the lane issues shard-group collectives.
-- ``gloo``: the forms gloo's collectives take and the sizes that choose them.
+  ``PLANS_IN_FLIGHT``, when the lane issues shard-group collectives, and the forms gloo's
+  collectives take and the sizes that choose them.
 """
 
-from fsdp_core.execution.gloo import (
+from fsdp_core.execution.lane import (
     ALL_TO_ALL_MAX_BYTES,
     ASYNC_GATHER_MAX_BYTES,
+    PLANS_IN_FLIGHT,
+    LaneOrder,
+    Place,
     ScatterForm,
     gather_waits,
+    lane_issues_shard,
     scatter_form,
 )
-from fsdp_core.execution.lane import PLANS_IN_FLIGHT, LaneOrder, Place, lane_issues_shard
 
 __all__ = [
     "ALL_TO_ALL_MAX_BYTES",

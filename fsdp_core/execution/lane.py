@@ -1,4 +1,5 @@
-"""Where the CPU runtime runs each op of a plan, and when it returns the memory a plan frees.
+"""How the CPU runtime executes plans: where it runs each op of a plan, when it returns the memory
+a plan frees, and the forms gloo's collectives take.
 
 There is no device queue on a CPU, so an op runs on the host thread that reaches it, unless it
 must wait for a collective in flight: then it goes to the *lane*, one FIFO worker thread that
@@ -32,6 +33,23 @@ The rules (``LaneOrder``, one method each):
 What the host "has waited for" moves only at ``begin_plan`` and ``drain``, never because the lane
 happens to be done, so where work runs and when memory returns follow from program order alone:
 the memory model and the simulator fold over this same class and predict the runtime exactly.
+
+**gloo's forms** (``scatter_form``, ``gather_waits``). Gloo has no summing reduce-scatter of its
+own (torch emulates it with an all-reduce of a copy of the input: twice the bytes, one more
+buffer). The CPU runtime reduce-scatters by all-to-all into a receive buffer the size of the input
+and sums the chunks locally (the bytes of a ring reduce-scatter, 4-8x faster on loopback:
+``benchmarks/bench_collectives.py``), except where the input is large and dies with the collective:
+then an in-place all-reduce of the input needs no buffer beyond it, as the unsharded gradient
+dominates memory there.
+
+All-gathers stay in flight while the host goes on (prefetch) up to ``ASYNC_GATHER_MAX_BYTES``;
+larger ones land before the call returns: gloo gathers through a temporary buffer of the
+output's size (not a tensor of ours), and a large one in flight during the next unit's backward
+raised the peak above FSDP1's, which is synchronous on CPU (``benchmarks/bench_training.py``,
+"large").
+
+The runtime (``fsdp_shell.runtime.cpu``) asks these functions what to do; the memory model and
+the simulator ask the same ones what it did.
 """
 
 from __future__ import annotations
@@ -43,8 +61,19 @@ from typing import Generic, TypeVar
 
 from fsdp_core.plan.ops import Group, Stream
 from fsdp_core.spec.config import HybridAllReduce
+from fsdp_core.spec.division import ReduceKind
 
-__all__ = ["PLANS_IN_FLIGHT", "LaneOrder", "Place", "lane_issues_shard"]
+__all__ = [
+    "ALL_TO_ALL_MAX_BYTES",
+    "ASYNC_GATHER_MAX_BYTES",
+    "PLANS_IN_FLIGHT",
+    "LaneOrder",
+    "Place",
+    "ScatterForm",
+    "gather_waits",
+    "lane_issues_shard",
+    "scatter_form",
+]
 
 PLANS_IN_FLIGHT = 1
 """How many earlier units' post-backward plans may still have lane work outstanding when a
@@ -178,3 +207,44 @@ class LaneOrder(Generic[T]):
         self.waited = self.submitted
         due, self._frees = [item for _, item in self._frees], []
         return due
+
+
+# -- gloo's forms ----------------------------------------------------------------------------------
+
+ALL_TO_ALL_MAX_BYTES = 4 << 20
+"""Summing reduce-scatters on gloo with inputs up to this size go by all-to-all into a receive
+buffer; larger ones reduce their input in place when it dies with them."""
+
+ASYNC_GATHER_MAX_BYTES = 4 << 20
+"""On gloo, all-gathers with outputs up to this size stay in flight while the host goes on."""
+
+
+class ScatterForm(enum.Enum):
+    """How a reduce-scatter runs, and whether it holds a receive buffer the size of its input
+    while it runs (``receive_buffer``)."""
+
+    NATIVE = ("native", False)
+    """The backend's own reduce-scatter (any op but a sum on gloo)."""
+    ALL_TO_ALL = ("all_to_all", True)
+    """All-to-all into a receive buffer the size of the input, then a local sum of the chunks."""
+    ALL_REDUCE = ("all_reduce", False)
+    """An in-place all-reduce of the input, then a copy of this rank's chunk."""
+
+    def __init__(self, label: str, receive_buffer: bool) -> None:
+        self.label = label
+        self.receive_buffer = receive_buffer
+
+
+def scatter_form(kind: ReduceKind, src_bytes: int, *, gloo: bool, src_dies: bool) -> ScatterForm:
+    """The form of a reduce-scatter of ``src_bytes`` with reduction ``kind``; ``src_dies``: no op
+    after it uses its input before the plan frees it (``fsdp_core.plan.request.dies_after``)."""
+    if not gloo or kind is not ReduceKind.SUM:
+        return ScatterForm.NATIVE
+    if src_dies and src_bytes > ALL_TO_ALL_MAX_BYTES:
+        return ScatterForm.ALL_REDUCE
+    return ScatterForm.ALL_TO_ALL
+
+
+def gather_waits(output_bytes: int) -> bool:
+    """Whether the host waits for a gloo all-gather of ``output_bytes`` before going on."""
+    return output_bytes > ASYNC_GATHER_MAX_BYTES

@@ -11,7 +11,7 @@ follow from the ops alone, given how the runtime returns a freed buffer (``Execu
   returns are ``fsdp_core.execution.lane.LaneOrder``'s decisions, the very ones the runtime
   carries out; this walk folds over them. On the CPU the host is the device, so an ``Offload``
   copies nothing: its host buffer is the device buffer itself. A reduce-scatter in the form
-  ``fsdp_core.execution.gloo.scatter_form`` calls ``ALL_TO_ALL`` holds a receive buffer the
+  ``fsdp_core.execution.lane.scatter_form`` calls ``ALL_TO_ALL`` holds a receive buffer the
   size of its input while it runs.
 
 Every figure is relative to the moment before the plan starts, when its inputs (the new

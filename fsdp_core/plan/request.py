@@ -244,7 +244,7 @@ def buffers_of(op: Op) -> tuple[Buffer, ...]:
 
 def dies_after(ops: tuple[Op, ...], index: int, buffer: Buffer) -> bool:
     """Whether no op after ``ops[index]`` reads or writes ``buffer`` before the plan frees it (a
-    collective may then overwrite it: ``fsdp_core.execution.gloo.scatter_form``'s ``src_dies``)."""
+    collective may then overwrite it: ``fsdp_core.execution.lane.scatter_form``'s ``src_dies``)."""
     for op in ops[index + 1 :]:
         if isinstance(op, Free) and op.buffer == buffer:
             return True

@@ -31,10 +31,16 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from fsdp_core import Group, ReduceOpSpec, Stream
-from fsdp_shell.runtime.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat, to_reduce_op
+from fsdp_shell.runtime.collectives import (
+    Pending,
+    Waitable,
+    all_gather_flat,
+    all_reduce_flat,
+    reduce_scatter_flat,
+    to_reduce_op,
+)
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
-from fsdp_shell.runtime.protocol import Pending, Waitable
 
 __all__ = ["AcceleratorRuntime", "Device", "TorchDevice"]
 
@@ -149,6 +155,8 @@ class _HostWait(Generic[S, E]):
 class AcceleratorRuntime(Generic[S, E]):
     """The plan streams as streams of ``device``: ``COMPUTE`` is the current stream at
     construction (autograd's), every other plan stream a stream of its own."""
+
+    frees_at_once = False
 
     def __init__(self, groups: ProcessGroups, log: CollectiveLog, device: Device[S, E]) -> None:
         self._groups = groups

@@ -1,10 +1,9 @@
-"""The flat-tensor collectives: all-gather, reduce-scatter and all-reduce through the
-long-standing entry points, and the plan's reduce ops as ``torch.distributed``'s.
+"""The flat-tensor collectives: all-gather, reduce-scatter and all-reduce, an issued collective
+(``Pending``), and the plan's reduce ops as ``torch.distributed``'s.
 
 torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in favour of
-``all_gather_single``/``reduce_scatter_single``; torch 2.4 has only the old names, which every
-release since accepts. We call the old ones and silence only their deprecation warning,
-locally.
+``all_gather_single``/``reduce_scatter_single``; torch 2.4 has only the old names. We call the
+new names where torch has them and the old ones where it has only those, so no call warns.
 
 **Synchronous means released.** gloo's run-loop thread keeps a collective's ``Work``, and with it
 a reference to every tensor of the collective, for a moment after ``wait()`` returns. If the
@@ -21,9 +20,10 @@ from __future__ import annotations
 
 import pickle
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from typing import assert_never
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol, assert_never
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ from fsdp_core import ReduceKind, ReduceOpSpec
 
 __all__ = [
     "GLOO_RELEASE_TIMEOUT",
+    "Pending",
+    "Waitable",
     "all_gather_flat",
     "all_gather_objects",
     "all_reduce_flat",
@@ -45,7 +47,38 @@ __all__ = [
     "use_count",
 ]
 
-_DEPRECATED = r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+_ALL_GATHER: Callable[..., dist.Work | None] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``torch.distributed``'s flat all-gather under its newest name (module docstring)."""
+_REDUCE_SCATTER: Callable[..., dist.Work | None] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+"""``torch.distributed``'s flat reduce-scatter under its newest name (module docstring)."""
+
+
+class Waitable(Protocol):
+    """What an issued collective is waited on through: a ``torch.distributed`` ``Work``, or on an
+    accelerator an event the current stream waits for."""
+
+    def wait(self) -> object:
+        """Until the result is in place (on an accelerator: for the current stream)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Pending:
+    """An issued asynchronous collective: its ``Work``, the tensors it reads and writes (held
+    here, so they live until it has completed whatever else drops them), and ``then``, the local
+    step that completes the result once the transfer has landed (for example summing received
+    chunks). ``wait`` blocks the host (on CUDA: the current stream) until the result is in place."""
+
+    work: Waitable
+    operands: tuple[torch.Tensor, ...] = ()
+    then: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        """Until the collective's result is in place."""
+        self.work.wait()
+        if self.then is not None:
+            self.then()
 
 
 def to_reduce_op(spec: ReduceOpSpec) -> dist.ReduceOp:
@@ -71,20 +104,28 @@ def use_count(t: torch.Tensor) -> int:
     return int(t._use_count())  # type: ignore[attr-defined]  # private, not in torch's stubs
 
 
-def completed(issue: Callable[[], object], uses: Sequence[torch.Tensor]) -> None:
+_USE_COUNT: Callable[[torch.Tensor], int] = torch.Tensor._use_count  # type: ignore[attr-defined]  # private, not in torch's stubs
+
+
+def completed(
+    issue: Callable[[], object], uses: Sequence[torch.Tensor], announce: Callable[[], None] | None = None
+) -> None:
     """Issue a collective (``issue`` returns its ``Work`` or a ``Pending``, or None when it ran
     synchronously), wait for it, then until the backend's threads hold none of ``uses``: each
     host tensor's count of C++ references back to what it was before the issue (module
-    docstring). Device tensors are left to their streams."""
+    docstring). Device tensors are left to their streams. ``announce`` runs on the issuing
+    thread right before the issue (a runtime's ``CollectiveLog.add``)."""
     host = [t for t in uses if t.device.type == "cpu"]
-    held = [use_count(t) for t in host]
+    held = [_USE_COUNT(t) for t in host]
+    if announce is not None:
+        announce()
     work = issue()
     if work is None:
         return
     work.wait()  # type: ignore[attr-defined]  # a Work or a Pending: both wait
     del work
     deadline = time.monotonic() + GLOO_RELEASE_TIMEOUT
-    while any(use_count(t) > n for t, n in zip(host, held)) and time.monotonic() < deadline:
+    while any(_USE_COUNT(t) > n for t, n in zip(host, held)) and time.monotonic() < deadline:
         time.sleep(0)  # lets the backend's thread take the GIL it may need
 
 
@@ -93,16 +134,9 @@ def all_gather_flat(
 ) -> dist.Work | None:
     """Gather every rank's ``input`` into ``output`` (rank order); synchronous unless
     ``async_op``, and then ``completed``."""
-
-    def issue() -> dist.Work | None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_DEPRECATED, category=FutureWarning)
-            work: dist.Work | None = dist.all_gather_into_tensor(output, input, group=group, async_op=True)
-        return work
-
     if async_op:
-        return issue()
-    completed(issue, (output, input))
+        return _ALL_GATHER(output, input, group=group, async_op=True)
+    completed(partial(_ALL_GATHER, output, input, group=group, async_op=True), (output, input))
     return None
 
 
@@ -168,14 +202,9 @@ def reduce_scatter_flat(
 ) -> dist.Work | None:
     """Reduce ``input`` across ranks and leave this rank's chunk in ``output``; synchronous
     unless ``async_op``, and then ``completed``."""
-    reduce_op = dist.ReduceOp.SUM if op is None else op
-
-    def issue() -> dist.Work | None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_DEPRECATED, category=FutureWarning)
-            work: dist.Work | None = dist.reduce_scatter_tensor(output, input, op=reduce_op, group=group, async_op=True)
-        return work
-
+    issue = partial(
+        _REDUCE_SCATTER, output, input, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True
+    )
     if async_op:
         return issue()
     completed(issue, (output, input))

@@ -11,7 +11,7 @@ same order on every rank whatever the timing. Nothing polls for completion.
 A buffer a collective used is freed by shrinking its storage when its memory returns, since
 gloo's threads may still hold a reference to it for a moment after ``wait()`` returns
 (``LiveBytes`` saw one in four all-gather inputs outlive the wait). The forms gloo's collectives
-take are ``fsdp_core.execution.gloo``'s.
+take are ``fsdp_core.execution.lane``'s.
 """
 
 from __future__ import annotations
@@ -19,16 +19,24 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from fsdp_core import Group, ReduceOpSpec, Stream
 from fsdp_core.execution import LaneOrder, Place, ScatterForm, gather_waits, scatter_form
-from fsdp_shell.runtime.collectives import all_gather_flat, completed, reduce_scatter_flat, release, to_reduce_op
+from fsdp_shell.runtime.collectives import (
+    Pending,
+    Waitable,
+    all_gather_flat,
+    completed,
+    reduce_scatter_flat,
+    release,
+    to_reduce_op,
+)
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
-from fsdp_shell.runtime.protocol import Pending, Waitable
 
 __all__ = ["CpuRuntime", "Lane", "gloo_reduce_scatter"]
 
@@ -108,9 +116,13 @@ class CpuRuntime:
     ``fsdp_core.execution.lane.LaneOrder``'s (which the memory model and the simulator fold over
     too); this class carries them out on tensors, one lane thread and process groups."""
 
+    frees_at_once = True
+
     def __init__(self, groups: ProcessGroups, log: CollectiveLog, *, lane_issues_shard: bool = False) -> None:
         self.lane = Lane(log)
         self._groups = groups
+        self._by_group = {g: groups.of(g) for g in Group if g is Group.SHARD or groups.replicate is not None}
+        """The process group of each plan group there is (``ProcessGroups.of``, asked once)."""
         self._log = log
         self._gloo = groups.backend == "gloo"
         self.order: LaneOrder[torch.Tensor] = LaneOrder(lane_issues_shard=lane_issues_shard)
@@ -135,11 +147,18 @@ class CpuRuntime:
         work()
 
     def _collective(
-        self, stream: Stream, group: Group, issue: Callable[[], Pending | None], uses: tuple[torch.Tensor, ...]
+        self,
+        stream: Stream,
+        group: Group,
+        issue: Callable[[], object],
+        uses: tuple[torch.Tensor, ...],
+        announce: Callable[[], None],
     ) -> None:
+        """Place a collective and, where placed, issue it (``announce`` logs it on the issuing
+        thread) and wait until it has ``completed``."""
         self._collective_operands.update(id(t) for t in uses)
         place = self.order.collective(stream, group, tuple(id(t) for t in uses))
-        self._run(place, lambda: completed(issue, uses))
+        self._run(place, partial(completed, issue, uses, announce))
 
     def _release(self, tensor: torch.Tensor) -> None:
         """Return ``tensor``'s memory now: a collective's operand by shrinking its storage (gloo may
@@ -177,36 +196,25 @@ class CpuRuntime:
     def reduce_scatter(
         self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
     ) -> None:
-        pg = self._groups.of(group)
+        pg = self._by_group.get(group) or self._groups.of(group)  # ``of`` says why a group is missing
         form = scatter_form(op.kind, src.numel() * src.element_size(), gloo=self._gloo, src_dies=src_dies)
+        announce = partial(self._log.add, "reduce_scatter", group, src.dtype, src.numel())
         if form is ScatterForm.NATIVE:
-
-            def issue() -> Pending | None:
-                self._log.add("reduce_scatter", group, src.dtype, src.numel())
-                work = reduce_scatter_flat(dst, src, pg, to_reduce_op(op), async_op=True)
-                return None if work is None else Pending(work, (src, dst))
-
-            self._collective(stream, group, issue, (src, dst))
+            native = partial(reduce_scatter_flat, dst, src, pg, to_reduce_op(op), async_op=True)
+            self._collective(stream, group, native, (src, dst), announce)
             return
         chunks = torch.empty_like(src) if form.receive_buffer else None
-
-        def issue_on_gloo() -> Pending | None:
-            self._log.add("reduce_scatter", group, src.dtype, src.numel())
-            return gloo_reduce_scatter(dst, src, pg, chunks)
-
-        self._collective(stream, group, issue_on_gloo, (src, dst) if chunks is None else (src, dst, chunks))
+        on_gloo = partial(gloo_reduce_scatter, dst, src, pg, chunks)
+        self._collective(stream, group, on_gloo, (src, dst) if chunks is None else (src, dst, chunks), announce)
         if chunks is not None:
             self.free(chunks)
 
     def all_reduce(self, stream: Stream, group: Group, tensor: torch.Tensor, op: ReduceOpSpec) -> None:
-        pg = self._groups.of(group)
-
-        def issue() -> Pending | None:
-            self._log.add("all_reduce", group, tensor.dtype, tensor.numel())
-            work = dist.all_reduce(tensor, op=to_reduce_op(op), group=pg, async_op=True)
-            return None if work is None else Pending(work, (tensor,))
-
-        self._collective(stream, group, issue, (tensor,))
+        pg = self._by_group.get(group) or self._groups.of(group)
+        issue = partial(dist.all_reduce, tensor, op=to_reduce_op(op), group=pg, async_op=True)
+        self._collective(
+            stream, group, issue, (tensor,), partial(self._log.add, "all_reduce", group, tensor.dtype, tensor.numel())
+        )
 
     def comm_hook(
         self,
@@ -217,11 +225,9 @@ class CpuRuntime:
         out: torch.Tensor,
         wire_dtype: torch.dtype,
     ) -> None:
-        def issue() -> None:
-            self._log.add("comm_hook", group, wire_dtype, src.numel())
-            call()
-
-        self._collective(stream, group, issue, (src, out))
+        self._collective(
+            stream, group, call, (src, out), partial(self._log.add, "comm_hook", group, wire_dtype, src.numel())
+        )
 
     def to_host(self, stream: Stream, src: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
         if src.device.type == "cpu":
@@ -230,16 +236,7 @@ class CpuRuntime:
         self.compute(stream, lambda: dst.copy_(src), (src, dst))
         return dst
 
-    def wait_stream(self, stream: Stream, waits_for: Stream) -> None:
-        return None
-
-    def end_of_backward(self, stream: Stream, waits_for: Stream) -> None:
-        self.drain()
-
-    def record_stream(self, tensor: torch.Tensor, stream: Stream) -> None:
-        return None
-
-    def drain(self) -> None:
+    def drain(self, *_: object) -> None:
         try:
             self.lane.drain()
         finally:
@@ -247,8 +244,15 @@ class CpuRuntime:
                 self._release(t)
             self._collective_operands.clear()
 
-    def settle(self) -> None:
-        self.drain()
+    settle = end_of_backward = drain
+    """On the CPU the lane is the only work out of program order: settling, and the end of
+    backward's wait for the post-backward stream, are waiting for it."""
+
+    def _no_streams(self, *_: object) -> None:
+        """The CPU has no streams: one stream waiting for another, or a tensor's use on one,
+        needs nothing (the lane orders the work)."""
+
+    wait_stream = record_stream = _no_streams
 
     def free_marker(self) -> Waitable:
         return _REACHED
@@ -268,7 +272,7 @@ class CpuRuntime:
 def gloo_reduce_scatter(
     dst: torch.Tensor, src: torch.Tensor, group: dist.ProcessGroup, chunks: torch.Tensor | None
 ) -> Pending:
-    """A summing reduce-scatter on gloo, in the form ``fsdp_core.execution.gloo.scatter_form``
+    """A summing reduce-scatter on gloo, in the form ``fsdp_core.execution.lane.scatter_form``
     chose: with a receive buffer ``chunks`` (the size of ``src``) an all-to-all into it and a
     local sum of the chunks; without, an in-place all-reduce of ``src`` (which the plan frees
     right after) and a copy of this rank's chunk."""

@@ -35,9 +35,15 @@ from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[
 from torch.futures import Future
 
 from fsdp_core import Group, ReduceOpSpec, Stream
-from fsdp_shell.runtime.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat, to_reduce_op
+from fsdp_shell.runtime.collectives import (
+    Pending,
+    Waitable,
+    all_gather_flat,
+    all_reduce_flat,
+    reduce_scatter_flat,
+    to_reduce_op,
+)
 from fsdp_shell.runtime.groups import ProcessGroups
-from fsdp_shell.runtime.protocol import Pending, Waitable
 
 __all__ = [
     "COLLECTIVE_TIMEOUT",
@@ -311,6 +317,8 @@ class InProcessRuntime:
     """A ``Runtime`` that runs each op on the calling thread as it comes, its collectives through
     ``runtime.collectives`` on ``groups`` (here an ``InProcessWorld``'s), and records each one
     issued. Nothing runs out of program order, so waits, stream records and frees are no-ops."""
+
+    frees_at_once = True
 
     def __init__(self, groups: ProcessGroups) -> None:
         self._groups = groups

@@ -11,6 +11,7 @@ as its ``Input`` op comes and holds a buffer only until the plan frees it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol, assert_never
 
 import torch
@@ -129,8 +130,14 @@ class PlanRun:
         index = self._index
         self._index += 1
         match op:
+            case Input() if op.role is InputRole.GRAD:
+                if self._grad is None:
+                    raise RuntimeError("the plan takes the new gradient twice")
+                self._buffers[op.buffer.name], self._grad = self._grad, None
             case Input():
-                self._bind(op)
+                if self.done:
+                    raise RuntimeError(f"the plan run has finished; no carried {op.role.value} gradient to take")
+                self._buffers[op.buffer.name] = self._owner.take_carried(op.role)
             case WaitStream():
                 rt.wait_stream(op.stream, op.waits_for)
             case EndOfBackwardWait():
@@ -138,13 +145,17 @@ class PlanRun:
             case RecordStream():
                 rt.record_stream(self._tensor(op.buffer), op.stream)
             case Free():
-                self._free(op.buffer)
+                # the runtime takes the memory back, unless the same tensor lives on under another
+                # buffer's name (on the CPU an offload's host buffer is the device buffer itself)
+                t = self._buffers.pop(op.buffer.name, None)
+                if t is not None and not any(other is t for other in self._buffers.values()):
+                    rt.free(t)
             case FreeUnshardedParam():
                 self._owner.free_unsharded()
             case Cast():
                 src = self._tensor(op.src)
                 dst = self._alloc(op.dst, op.stream, src)
-                rt.compute(op.stream, lambda: dst.copy_(src), (src, dst))
+                rt.compute(op.stream, partial(dst.copy_, src), (src, dst))
             case Pad():
                 src = self._tensor(op.src)
                 dst = self._alloc(op.dst, op.stream, src)
@@ -156,7 +167,7 @@ class PlanRun:
                 rt.compute(op.stream, pad, (src, dst))
             case Divide():
                 t, factor = self._tensor(op.buffer), op.factor
-                rt.compute(op.stream, lambda: t.div_(factor), (t,))
+                rt.compute(op.stream, partial(t.div_, factor), (t,))
             case ReduceScatter():
                 src = self._tensor(op.src)
                 dst = self._alloc(op.dst, op.stream, src)
@@ -167,36 +178,18 @@ class PlanRun:
                 self._hook_call(op)
             case Accumulate():
                 dst, src = self._tensor(op.dst), self._tensor(op.src)
-                rt.compute(op.stream, lambda: dst.add_(src), (dst, src))
+                rt.compute(op.stream, partial(dst.add_, src), (dst, src))
             case Offload():
                 self._offload(op)
             case GradViews():
                 grad, views = self._tensor(op.buffer), op.views
-                rt.on_host(lambda: self._owner.expose_views(grad, views), (grad,))
+                rt.on_host(partial(self._owner.expose_views, grad, views), (grad,))
             case HandOff():
                 grad, plan = self._tensor(op.buffer), self.plan
                 del self._buffers[op.buffer.name]
-                rt.on_host(lambda: self._owner.hand_off(plan, grad), (grad,))
+                rt.on_host(partial(self._owner.hand_off, plan, grad), (grad,))
             case _:
                 assert_never(op)
-
-    def _free(self, b: Buffer) -> None:
-        """The plan is done with ``b``: the runtime takes its memory back, unless the same tensor
-        lives on under another buffer's name (on the CPU an offload's host buffer is the device
-        buffer itself)."""
-        t = self._buffers.pop(b.name, None)
-        if t is not None and not any(other is t for other in self._buffers.values()):
-            self._runtime.free(t)
-
-    def _bind(self, op: Input) -> None:
-        if op.role is InputRole.GRAD:
-            if self._grad is None:
-                raise RuntimeError("the plan takes the new gradient twice")
-            self._buffers[op.buffer.name], self._grad = self._grad, None
-        elif self.done:
-            raise RuntimeError(f"the plan run has finished; no carried {op.role.value} gradient to take")
-        else:
-            self._buffers[op.buffer.name] = self._owner.take_carried(op.role)
 
     def _hook_call(self, op: CommHookCall) -> None:
         hook = self._comm_hook

@@ -1,5 +1,4 @@
-"""The device seam: what the interpreter and the flat parameters ask of a device, and the record
-of an issued collective.
+"""The device seam: what the interpreter and the flat parameters ask of a device.
 
 The interpreter (``fsdp_shell.runtime.interpreter``) turns each plan op into one call of a
 ``Runtime``; the flat parameters ask it for their all-gathers and host buffers. Nothing else in
@@ -13,40 +12,14 @@ runtime can order it after what produces them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from fsdp_core import Group, ReduceOpSpec, Stream
+from fsdp_shell.runtime.collectives import Pending, Waitable
 
-__all__ = ["Pending", "Runtime", "Waitable"]
-
-
-class Waitable(Protocol):
-    """What an issued collective is waited on through: a ``torch.distributed`` ``Work``, or on an
-    accelerator an event the current stream waits for."""
-
-    def wait(self) -> object:
-        """Until the result is in place (on an accelerator: for the current stream)."""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Pending:
-    """An issued asynchronous collective: its ``Work``, the tensors it reads and writes (held
-    here, so they live until it has completed whatever else drops them), and ``then``, the local
-    step that completes the result once the transfer has landed (for example summing received
-    chunks). ``wait`` blocks the host (on CUDA: the current stream) until the result is in place."""
-
-    work: Waitable
-    operands: tuple[torch.Tensor, ...] = ()
-    then: Callable[[], None] | None = None
-
-    def wait(self) -> None:
-        """Until the collective's result is in place."""
-        self.work.wait()
-        if self.then is not None:
-            self.then()
+__all__ = ["Runtime"]
 
 
 class Runtime(Protocol):
@@ -55,6 +28,10 @@ class Runtime(Protocol):
     ``uses`` are the tensors a piece of work reads or writes: a runtime that runs work out of
     program order (the CPU lane) orders it after every earlier work on those tensors and on its
     stream; a stream-ordered device needs only the stream."""
+
+    frees_at_once: bool
+    """Whether memory a free returns is free on the device when the call returns (the host runs
+    the compute itself); where not, ``limit_all_gathers`` waits for ``free_marker``s."""
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device, stream: Stream) -> torch.Tensor:
         """A new 1-D buffer on ``device``, allocated for use on ``stream``."""
@@ -130,7 +107,7 @@ class Runtime(Protocol):
     def free_marker(self) -> Waitable:
         """A point after the compute stream's work enqueued so far: its ``wait`` blocks the host
         until that work has run, so memory freed before the call is free on the device
-        (``limit_all_gathers``). Already reached where the host runs the compute itself."""
+        (``limit_all_gathers``). Asked only where frees are not at once (``frees_at_once``)."""
 
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         """Issue the all-gather of every shard-group rank's ``src`` into ``out`` (a unit's

@@ -8,15 +8,14 @@ unit, with the usual causes.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from fsdp_shell.safety.agreement import RankMismatchError
 
-__all__ = ["CollectiveTimeoutError", "gave_up_waiting", "translating_timeouts"]
+__all__ = ["CollectiveTimeoutError", "gave_up_waiting", "timeout_error"]
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -38,28 +37,26 @@ def gave_up_waiting(error: BaseException) -> bool:
     )
 
 
-@contextlib.contextmanager
-def translating_timeouts(step: str, where: Callable[[], str], *, sequenced: bool) -> Iterator[None]:
-    """FSDP's own collectives of ``step`` in ``where()`` (the root, or a unit; asked only on a
-    timeout): a backend that gives up waiting becomes a ``CollectiveTimeoutError``;
-    ``sequenced``: the ranks agree on every event (``ranks_may_diverge``), so divergent paths are
-    not the cause."""
-    try:
-        yield
-    except RuntimeError as error:
-        if not gave_up_waiting(error):
-            raise
-        mode = (
-            "even with ranks_may_diverge=True: a rank stopped, died or is still busy"
-            if sequenced
-            else "a rank stopped, died or is still busy, or the ranks' models took different paths (a wrapped "
-            "module skipped, or its output left unused, on some ranks only: pass ranks_may_diverge=True "
-            "for models that do that)"
-        )
-        raise CollectiveTimeoutError(
-            f"FSDP: rank {dist.get_rank()} gave up waiting for the other ranks in the {step} of {where()}: {mode}. "
-            f"Backend: {_first_line(error)}"
-        ) from error
+def timeout_error(
+    error: RuntimeError, step: str, where: Callable[[], str], sequenced: bool
+) -> CollectiveTimeoutError | None:
+    """What to raise for ``error`` in FSDP's own collectives of ``step`` in ``where()`` (the root,
+    or a unit; asked only on a timeout): a ``CollectiveTimeoutError`` when the backend gave up
+    waiting, None when ``error`` is this rank's own and stays as it is. ``sequenced``: the ranks
+    agree on every event (``ranks_may_diverge``), so divergent paths are not the cause."""
+    if not gave_up_waiting(error):
+        return None
+    mode = (
+        "even with ranks_may_diverge=True: a rank stopped, died or is still busy"
+        if sequenced
+        else "a rank stopped, died or is still busy, or the ranks' models took different paths (a wrapped "
+        "module skipped, or its output left unused, on some ranks only: pass ranks_may_diverge=True "
+        "for models that do that)"
+    )
+    return CollectiveTimeoutError(
+        f"FSDP: rank {dist.get_rank()} gave up waiting for the other ranks in the {step} of {where()}: {mode}. "
+        f"Backend: {_first_line(error)}"
+    )
 
 
 def _first_line(error: BaseException) -> str:

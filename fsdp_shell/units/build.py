@@ -132,8 +132,9 @@ def build_handles(
     ignored: frozenset[int] = frozenset(),
 ) -> tuple[FlatParamHandle | None, ...]:
     """Each site's flat parameter (None for a unit that owns no parameter), in the sites' order,
-    sharing one all-gather rate limiter (``limit_all_gathers``)."""
-    limiter = GatherLimiter(runtime, enabled=options.limit_all_gathers)
+    sharing one all-gather rate limiter (``limit_all_gathers``, where the runtime's frees lag
+    behind the host: ``Runtime.frees_at_once``)."""
+    limiter = GatherLimiter(runtime) if options.limit_all_gathers and not runtime.frees_at_once else None
     handles: list[FlatParamHandle | None] = []
     for owned in unit_params(sites, names, is_wrapped, ignored):
         if not owned:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_core import FlatParamLayout, InputRole, Plan, PlanRequest, ShardingSpec, ShardView
-from fsdp_shell.runtime.collectives import all_gather_flat, any_rank
-from fsdp_shell.runtime.protocol import Pending, Runtime
+from fsdp_shell.runtime.collectives import Pending, all_gather_flat, any_rank
+from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.carried import CarriedGrads, set_grad
 from fsdp_shell.units.gather_limit import GatherLimiter
 
@@ -131,7 +131,7 @@ class FlatParamHandle:
         self.padded_numel = self.sharding.padded_numel(self.layout)
         self.is_sharded = self.sharding.strategy.is_sharded
         self._runtime = runtime
-        self._limiter = GatherLimiter(runtime, enabled=False) if limiter is None else limiter
+        self._limiter = limiter
 
         local = self.shard_of({p.fqn: t.detach() for p, t in zip(params, tensors)}, self.orig_dtype).clone()
         self.local: torch.Tensor = local.cpu() if self.offload else local
@@ -223,7 +223,8 @@ class FlatParamHandle:
             self._state = _Gathered.IN_FLIGHT
             self._pending_gather = None
             return False
-        self._limiter.before_gather()
+        if self._limiter is not None:
+            self._limiter.before_gather()
         _alloc_storage(self._gathered)
         with torch.no_grad():
             if not self.is_sharded:
@@ -263,7 +264,8 @@ class FlatParamHandle:
         self.flat_param.data = self.local
         if self._gathers_in_place:
             _free_storage(self._gathered)
-            self._limiter.freed()
+            if self._limiter is not None:
+                self._limiter.freed()
         self._state = _Gathered.SHARDED
 
     def use_unsharded_views(self) -> None:

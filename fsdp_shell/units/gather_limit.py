@@ -8,14 +8,16 @@ new unsharded buffer while the old ones still wait to be freed. As in FSDP1, eve
 a marker on the compute stream (``Runtime.free_marker``), and before an all-gather is issued the
 host waits for the oldest markers until at most one is outstanding: besides the buffers in use,
 the device owes at most one free when a new buffer is allocated. On the CPU the host
-runs the compute itself, so a free is done when it returns and the limit never waits.
+runs the compute itself, so a free is done when it returns (``Runtime.frees_at_once``) and
+there is nothing to limit: no limiter is made.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from fsdp_shell.runtime.protocol import Runtime, Waitable
+from fsdp_shell.runtime.collectives import Waitable
+from fsdp_shell.runtime.protocol import Runtime
 
 __all__ = ["GatherLimiter"]
 
@@ -25,10 +27,9 @@ all-gather is issued."""
 
 
 class GatherLimiter:
-    """The rate limiter of one FSDP tree (``enabled``: ``limit_all_gathers``)."""
+    """The rate limiter of one FSDP tree (``limit_all_gathers``)."""
 
-    def __init__(self, runtime: Runtime, *, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
         self._frees: deque[Waitable] = deque()
         self.waits = 0
@@ -38,11 +39,10 @@ class GatherLimiter:
         """Called before an all-gather that allocates an unsharded buffer is issued: while two
         or more frees are outstanding, wait for the oldest (FSDP1 waits for one only, so frees
         that pile up between gathers, at the end of a backward, stay owed)."""
-        while self.enabled and len(self._frees) >= MAX_PENDING_FREES:
+        while len(self._frees) >= MAX_PENDING_FREES:
             self._frees.popleft().wait()
             self.waits += 1
 
     def freed(self) -> None:
         """Called after an unsharded buffer is freed."""
-        if self.enabled:
-            self._frees.append(self._runtime.free_marker())
+        self._frees.append(self._runtime.free_marker())

@@ -48,6 +48,9 @@ class UnshardRunner:
         forward_prefetch: bool,
     ) -> None:
         self._handles = handles
+        self.reshards_after_backward = (strategy.reshards_after_backward(False), strategy.reshards_after_backward(True))
+        """``strategy.reshards_after_backward(sync_gradients)``, indexed by ``sync_gradients``:
+        whether the end of a backward frees what no plan resharded."""
 
         def request(forward: tuple[int, ...], backward: tuple[int, ...], sync_gradients: bool) -> UnshardRequest:
             return unshard_request(

@@ -366,9 +366,9 @@ class TiedHead(nn.Module):
 def bf16_reduction_losses(rank: int, world: int, arg: None) -> dict[str, list[float]]:
     """Ten AdamW steps of ``TiedHead`` in bf16 with bf16 reduction over one shard group of
     ``world`` ranks: FSDP1's losses, ours, and ours with gloo's reduce-scatter done as FSDP1's
-    is on gloo (an all-reduce, ``fsdp_core.execution.gloo.ALL_TO_ALL_MAX_BYTES`` below every size)
+    is on gloo (an all-reduce, ``fsdp_core.execution.lane.ALL_TO_ALL_MAX_BYTES`` below every size)
     instead of an all-to-all whose chunks are summed in rank order."""
-    import fsdp_core.execution.gloo as gloo
+    import fsdp_core.execution.lane as gloo_forms
 
     def losses(make: Callable[[nn.Module], nn.Module]) -> list[float]:
         torch.manual_seed(0)
@@ -397,12 +397,12 @@ def bf16_reduction_losses(rank: int, world: int, arg: None) -> dict[str, list[fl
         )
     )
     ours = losses(lambda m: FSDP(m, auto_wrap_policy={nn.Sequential}, mixed_precision=MixedPrecision(param_dtype=bf16)))
-    all_to_all = gloo.ALL_TO_ALL_MAX_BYTES
-    gloo.ALL_TO_ALL_MAX_BYTES = -1
+    all_to_all = gloo_forms.ALL_TO_ALL_MAX_BYTES
+    gloo_forms.ALL_TO_ALL_MAX_BYTES = -1
     try:
         ours_all_reduce = losses(
             lambda m: FSDP(m, auto_wrap_policy={nn.Sequential}, mixed_precision=MixedPrecision(param_dtype=bf16))
         )
     finally:
-        gloo.ALL_TO_ALL_MAX_BYTES = all_to_all
+        gloo_forms.ALL_TO_ALL_MAX_BYTES = all_to_all
     return {"fsdp1": theirs, "ours": ours, "ours_all_reduce": ours_all_reduce}

@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 from fsdp_shell import FSDP
 from fsdp_shell.runtime.collectives import (
+    Pending,
     all_gather_flat,
     all_reduce_flat,
     broadcast_flat,
     reduce_scatter_flat,
     use_count,
 )
-from fsdp_shell.runtime.protocol import Pending
 from tests.worlds.runtime_cases import Layer, make_model, train_against_reference
 
 # -- a gather's Pending needs no operands ----------------------------------------------------

@@ -5,8 +5,8 @@ every op checked for races), a four-unit ``FULL_SHARD`` model trains three steps
 ranks. The runtime logs every free marker, every host wait on one and every all-gather. With
 ``limit_all_gathers=True`` (FSDP1's default) every all-gather is issued with at most one free
 still owed by the device, and the host did wait; with False no marker is recorded and the host
-never waits. The losses are the same either way and equal the single-process reference's; on the
-plain CPU runtime the limiter's waits return at once.
+never waits. The losses are the same either way and equal the single-process reference's; the
+plain CPU runtime, whose frees are done when they return, has nothing to limit.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from torch import nn
 
 from fsdp_shell import FSDP
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime
+from fsdp_shell.runtime.collectives import Pending, Waitable
 from fsdp_shell.runtime.device import set_cpu_runtime
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.log import CollectiveLog
-from fsdp_shell.runtime.protocol import Pending, Waitable
 from tests.device.checked_streams import CheckedDevice, CheckedEvent, CheckedStream, StreamChecker
 from tests.worlds.dist_harness import run_world
 
