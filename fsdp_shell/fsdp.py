@@ -31,7 +31,7 @@ from fsdp_core import (
 from fsdp_shell import comm_hooks, hooks
 from fsdp_shell.deprecated import DeprecatedOptimStateHelpers
 from fsdp_shell.options import check_mixed_precision, flag, parse_options, to_ignored
-from fsdp_shell.runtime.log import CollectiveKind, CollectiveRecord
+from fsdp_shell.runtime.collectives import CollectiveKind, CollectiveRecord
 from fsdp_shell.state import distributed as distributed_state_dict
 from fsdp_shell.state.api import StateDictAPI, roots
 from fsdp_shell.tree import Tree, make_tree

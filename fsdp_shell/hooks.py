@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_core import Event, HookEvent
+from fsdp_shell.runtime.collectives import Phase
 from fsdp_shell.runtime.interpreter import PlanRun
-from fsdp_shell.runtime.log import Phase
 from fsdp_shell.safety.agreement import RankMismatchError, check_agreement, check_same_events
 from fsdp_shell.safety.timeouts import timeout_error
 from fsdp_shell.tree import IterationState, Tree

@@ -42,10 +42,10 @@ from fsdp_core import (
 )
 from fsdp_core.execution import lane_issues_shard
 from fsdp_shell.options import Ignored, Options
+from fsdp_shell.runtime.collectives import CollectiveLog
 from fsdp_shell.runtime.device import checked_device_id, default_device, make_runtime
 from fsdp_shell.runtime.groups import ProcessGroups, duplicate_group, group_timeout, resolve_groups
 from fsdp_shell.runtime.interpreter import CommHookFn, PlanRun
-from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.safety import stale_optimizer
 from fsdp_shell.safety.sequencer import Sequencer

@@ -25,8 +25,8 @@ from fsdp_shell.demo.config import DemoConfig
 from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo.model import lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
+from fsdp_shell.runtime.collectives import CollectiveKind
 from fsdp_shell.runtime.device import current_accelerator
-from fsdp_shell.runtime.log import CollectiveKind
 
 __all__ = ["DemoConfig", "RunResult", "run_rank"]
 

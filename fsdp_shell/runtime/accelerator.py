@@ -32,6 +32,7 @@ import torch
 
 from fsdp_core import Group, ReduceOpSpec, Stream
 from fsdp_shell.runtime.collectives import (
+    CollectiveLog,
     Pending,
     Waitable,
     all_gather_flat,
@@ -40,7 +41,6 @@ from fsdp_shell.runtime.collectives import (
     to_reduce_op,
 )
 from fsdp_shell.runtime.groups import ProcessGroups
-from fsdp_shell.runtime.log import CollectiveLog
 
 __all__ = ["AcceleratorRuntime", "Device", "TorchDevice"]
 

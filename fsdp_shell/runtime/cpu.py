@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fsdp_core import Group, ReduceOpSpec, Stream
 from fsdp_core.execution import LaneOrder, Place, ScatterForm, gather_waits, scatter_form
 from fsdp_shell.runtime.collectives import (
+    CollectiveLog,
     Pending,
     Waitable,
     all_gather_flat,
@@ -36,7 +37,6 @@ from fsdp_shell.runtime.collectives import (
     to_reduce_op,
 )
 from fsdp_shell.runtime.groups import ProcessGroups
-from fsdp_shell.runtime.log import CollectiveLog
 
 __all__ = ["CpuRuntime", "Lane", "gloo_reduce_scatter"]
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import torch
 
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime, TorchDevice
+from fsdp_shell.runtime.collectives import CollectiveLog
 from fsdp_shell.runtime.cpu import CpuRuntime
 from fsdp_shell.runtime.groups import ProcessGroups
-from fsdp_shell.runtime.log import CollectiveLog
 from fsdp_shell.runtime.protocol import Runtime
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_core import FlatParamLayout, InputRole, Plan, PlanRequest, ShardingSpec, ShardView
+from fsdp_core import FlatParamLayout, InputRole, PlanRequest, ShardingSpec, ShardView
 from fsdp_shell.runtime.collectives import Pending, all_gather_flat, any_rank
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.carried import CarriedGrads, set_grad
@@ -147,12 +147,17 @@ class FlatParamHandle:
 
         self.registered: list[tuple[nn.Module, str]] = []
         """Where ``flat_param`` is registered as a module parameter (``register_flat_param``)."""
-        self.carried = CarriedGrads()
-        """Gradient state carried between backwards (see ``CarriedGrads``)."""
         self._host_grad: torch.Tensor | None = None
         self.orig_params: tuple[nn.Parameter, ...] = tuple(tensors) if self.use_orig_params else ()
         """With ``use_orig_params``, the original ``Parameter`` objects (sharded views); else
         none are kept, so their unsharded storage is released once flattened."""
+        self.carried = CarriedGrads(self.flat_param, self.orig_params, self.shard_numel)
+        """Gradient state carried between backwards and the ``.grad`` handshake (``CarriedGrads``),
+        whose verbs are the handle's own: not wrapped, so one call each."""
+        self.reclaim = self.carried.reclaim
+        self.take_carried = self.carried.take
+        self.hand_off = self.carried.hand_off
+        self.expose = self.carried.expose
         self._shard_views = {v.param_index: v for v in self.sharding.shard_views(self.layout)}
         self._shard_view_list = self.sharding.shard_views(self.layout)
         for index, p in enumerate(params):
@@ -289,20 +294,6 @@ class FlatParamHandle:
 
     # -- gradients around a backward ---------------------------------------------------------
 
-    def reclaim(self, *, at_forward: bool = False) -> None:
-        """Take back the gradient the user sees, before this unit's backward: what they did to
-        it is reconciled with the carried state (``zero_grad(set_to_none=True)`` drops all of it;
-        a partial reduction they never see is kept), and the flat parameter's ``.grad`` is
-        cleared so autograd accumulates this backward's gradient afresh. ``at_forward``: only
-        what is safe at the root's forward, as FSDP1 does there: with ``use_orig_params`` a
-        gradient the user dropped is freed; the flat parameter's ``.grad`` stays the user's."""
-        if self.use_orig_params:
-            self.carried = self.carried.reclaimed_from_views(all(p.grad is None for p in self.orig_params))
-        elif not at_forward:
-            self.carried = self.carried.reclaimed_from_flat(self.flat_param.grad, self.shard_numel)
-        if not at_forward:
-            self.flat_param.grad = None
-
     def take_grad(self) -> torch.Tensor:
         """The unsharded gradient autograd just accumulated, detached from the parameter."""
         g = self.flat_param.grad
@@ -310,35 +301,6 @@ class FlatParamHandle:
             raise RuntimeError("post-backward hook fired without a gradient on the flat parameter")
         self.flat_param.grad = None
         return g
-
-    def take_carried(self, role: InputRole) -> torch.Tensor:
-        """The carried gradient a plan takes under ``role``, no longer held here: the plan's run
-        holds it alone from now on, so it is freed at the plan's ``Free`` of it. With
-        ``use_orig_params`` the original parameters' ``.grad`` views of it go too (the plan's
-        ``GradViews`` shows the new gradient): they kept a ``no_sync`` accumulation alive to
-        the end of backward, one unsharded gradient per unit."""
-        t = self.carried.take(role)
-        if self.use_orig_params and self.carried.visible is role:
-            for orig in self.orig_params:
-                orig.grad = None
-        self.carried = self.carried.without(role)
-        return t
-
-    def hand_off(self, plan: Plan, grad: torch.Tensor) -> None:
-        """Take what ``plan`` hands off: it becomes carried state and, without
-        ``use_orig_params``, the flat parameter's ``.grad``."""
-        self.carried = self.carried.handed_off(plan, grad)
-        self.expose()
-
-    def expose(self) -> None:
-        """Without ``use_orig_params``: the gradient the optimizer should see becomes the flat
-        parameter's ``.grad``, held only there (also after a backward in which this unit got
-        none: then ``.grad`` is put back as it was)."""
-        if self.use_orig_params:
-            return
-        self.carried, shown = self.carried.exposed()
-        if shown is not None:
-            set_grad(self.flat_param, shown)
 
     def expose_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at their slices of ``grad`` (None where this

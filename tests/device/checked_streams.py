@@ -41,9 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime
+from fsdp_shell.runtime.collectives import CollectiveLog
 from fsdp_shell.runtime.device import set_cpu_runtime
 from fsdp_shell.runtime.groups import ProcessGroups
-from fsdp_shell.runtime.log import CollectiveLog
 
 __all__ = ["CheckedDevice", "CheckedEvent", "CheckedStream", "StreamChecker", "StreamRaceError", "checked_streams"]
 

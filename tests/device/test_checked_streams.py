@@ -26,9 +26,9 @@ import torch.distributed as dist
 from fsdp_core import Op, RecordStream, Stream, WaitStream
 from fsdp_shell.runtime import accelerator
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime
+from fsdp_shell.runtime.collectives import CollectiveLog
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.interpreter import PlanRun
-from fsdp_shell.runtime.log import CollectiveLog
 from tests.device.checked_streams import CheckedDevice, StreamChecker, StreamRaceError, checked_streams
 from tests.worlds.dist_harness import run_world
 from tests.worlds.fault_cases import recovery

@@ -27,7 +27,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from fsdp_core import CPUOffload, Group, MixedPrecision, ShardingStrategy
 from fsdp_shell import FSDP, comm_hooks
-from fsdp_shell.runtime.log import CollectiveRecord
+from fsdp_shell.runtime.collectives import CollectiveRecord
 
 BATCH = 3
 """Rows of each rank's micro-batch."""

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core import Group, ShardingStrategy
 from fsdp_shell import FSDP
-from fsdp_shell.runtime.log import CollectiveRecord, Phase
+from fsdp_shell.runtime.collectives import CollectiveRecord, Phase
 from fsdp_shell.units.flat_param import FlatParamHandle
 from tests.worlds.runtime_cases import Layer, make_model, train_against_reference
 

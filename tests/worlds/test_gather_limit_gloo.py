@@ -19,10 +19,9 @@ from torch import nn
 
 from fsdp_shell import FSDP
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime
-from fsdp_shell.runtime.collectives import Pending, Waitable
+from fsdp_shell.runtime.collectives import CollectiveLog, Pending, Waitable
 from fsdp_shell.runtime.device import set_cpu_runtime
 from fsdp_shell.runtime.groups import ProcessGroups
-from fsdp_shell.runtime.log import CollectiveLog
 from tests.device.checked_streams import CheckedDevice, CheckedEvent, CheckedStream, StreamChecker
 from tests.worlds.dist_harness import run_world
 

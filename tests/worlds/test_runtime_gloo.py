@@ -20,7 +20,7 @@ import itertools
 import pytest
 
 from fsdp_core import Group
-from fsdp_shell.runtime.log import Phase
+from fsdp_shell.runtime.collectives import Phase
 from tests.worlds.dist_harness import run_world
 from tests.worlds.runtime_lifetime_cases import Lifetimes, grad_lifetimes
 from tests.worlds.runtime_op_count_cases import OpCounts, op_counts
