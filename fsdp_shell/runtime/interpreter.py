@@ -37,7 +37,6 @@ from fsdp_core import (
     RecordStream,
     ReduceScatter,
     ShardView,
-    Stream,
     WaitStream,
 )
 from fsdp_shell.runtime.protocol import Runtime
@@ -120,11 +119,6 @@ class PlanRun:
         except KeyError:
             raise RuntimeError(f"plan buffer {b.name} is not live") from None
 
-    def _alloc(self, b: Buffer, stream: Stream, like: torch.Tensor) -> torch.Tensor:
-        t = self._runtime.empty(b.numel, b.dtype, like.device, stream)
-        self._buffers[b.name] = t
-        return t
-
     def _step(self, op: Op) -> None:
         rt = self._runtime
         index = self._index
@@ -154,11 +148,11 @@ class PlanRun:
                 self._owner.free_unsharded()
             case Cast():
                 src = self._tensor(op.src)
-                dst = self._alloc(op.dst, op.stream, src)
+                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
                 rt.compute(op.stream, partial(dst.copy_, src), (src, dst))
             case Pad():
                 src = self._tensor(op.src)
-                dst = self._alloc(op.dst, op.stream, src)
+                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
 
                 def pad() -> None:
                     dst[: src.numel()].copy_(src)
@@ -170,7 +164,7 @@ class PlanRun:
                 rt.compute(op.stream, partial(t.div_, factor), (t,))
             case ReduceScatter():
                 src = self._tensor(op.src)
-                dst = self._alloc(op.dst, op.stream, src)
+                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
                 rt.reduce_scatter(op.stream, op.group, dst, src, op.reduce_op, src_dies=index in self.plan.src_dies)
             case AllReduce():
                 rt.all_reduce(op.stream, op.group, self._tensor(op.buffer), op.reduce_op)
@@ -197,7 +191,10 @@ class PlanRun:
             raise RuntimeError(f"the plan calls the {op.hook.value} comm hook but none is registered")
         src = self._tensor(op.src)
         in_place = op.src == op.dst
-        out = src if in_place else self._alloc(op.dst, op.stream, src)
+        if in_place:
+            out = src
+        else:
+            out = self._buffers[op.dst.name] = self._runtime.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
 
         def call() -> None:
             hook(src, None if in_place else out)

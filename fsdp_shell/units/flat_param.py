@@ -44,12 +44,6 @@ class OrigParam:
         return ((self.module, self.attr), *self.aliases)
 
 
-def _free_storage(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
-
-
 def _alloc_storage(t: torch.Tensor) -> None:
     """Regrow ``t``'s storage in place (views of it stay valid), through the dispatcher
     (``Tensor.resize_``), so tools that watch ops see the allocation on the current stream."""
@@ -141,7 +135,7 @@ class FlatParamHandle:
         self._gathered = torch.empty(
             self.padded_numel if self._gathers_in_place else 0, dtype=self.compute_dtype, device=device
         )
-        _free_storage(self._gathered)
+        self._gathered.untyped_storage().resize_(0)
         self._state = _Gathered.SHARDED
         self._pending_gather: Pending | None = None
 
@@ -268,7 +262,7 @@ class FlatParamHandle:
             self.finish_unshard()
         self.flat_param.data = self.local
         if self._gathers_in_place:
-            _free_storage(self._gathered)
+            self._gathered.untyped_storage().resize_(0)
             if self._limiter is not None:
                 self._limiter.freed()
         self._state = _Gathered.SHARDED
