@@ -241,13 +241,14 @@ class UnshardSchedule:
     """One iteration's all-gather schedule: a step per recorded hook event.
 
     Steps name only events of ``request.events``, each at most once, and units below
-    ``request.units`` (checked on construction). ``actions`` answers every (event, unit), falling
-    back to ``request.on_demand`` where no step is given.
+    ``request.units`` (checked on construction). ``table`` answers every (event, unit), falling
+    back to ``request.on_demand`` where no step is given; ``actions`` is its checked lookup.
     """
 
     request: UnshardRequest
     steps: tuple[UnshardStep, ...]
-    _table: Mapping[HookEvent, tuple[UnshardAction, ...]] = field(init=False, repr=False, compare=False)
+    table: Mapping[HookEvent, tuple[UnshardAction, ...]] = field(init=False, repr=False, compare=False)
+    """What to run when each hook event fires, for every event of every unit (read-only)."""
 
     def __post_init__(self) -> None:
         r = self.request
@@ -270,13 +271,13 @@ class UnshardSchedule:
                 if action.unit >= r.units:
                     raise ValueError(f"{where}: {action_name(action)} of unit {action.unit}, but units={r.units}")
             table[key] = step.actions
-        object.__setattr__(self, "_table", MappingProxyType(table))
+        object.__setattr__(self, "table", MappingProxyType(table))
 
     def actions(self, event: Event, unit: int) -> tuple[UnshardAction, ...]:
         """What to run when ``event`` fires for ``unit``: the step's actions, or the on-demand
         ones. Constant time."""
         try:
-            return self._table[HookEvent(event, unit)]
+            return self.table[HookEvent(event, unit)]
         except KeyError:
             raise ValueError(
                 f"unit: expected 0 <= unit < {self.request.units} and an Event, got {event!r} of unit {unit!r}"

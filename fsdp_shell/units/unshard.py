@@ -21,6 +21,7 @@ from fsdp_core import (
     BackwardPrefetch,
     Event,
     Gather,
+    HookEvent,
     Reshard,
     ShardingStrategy,
     UnshardRequest,
@@ -93,7 +94,7 @@ class UnshardRunner:
                     assert_never(event)
             if order is not None and unit not in order:
                 order.append(unit)
-        for action in self.schedule.actions(event, unit):
+        for action in self.schedule.table[HookEvent(event, unit)]:  # every unit's every event is there
             handle = self._handles[action.unit]
             if handle is None:
                 continue
