@@ -83,6 +83,7 @@ from fsdp_core.spec.layout import (
     aligned_numel_for,
     unsharded_views,
 )
+from fsdp_core.spec.per_param import PerParamLayout, ShardedParam
 from fsdp_core.unshard.render import format_unshard, unshard_to_json
 from fsdp_core.unshard.schedule import (
     AwaitGather,
@@ -138,6 +139,7 @@ __all__ = [
     "Op",
     "Pad",
     "ParamSpec",
+    "PerParamLayout",
     "Plan",
     "PlanCache",
     "PlanRequest",
@@ -150,6 +152,7 @@ __all__ = [
     "Rule",
     "ShardBounds",
     "ShardView",
+    "ShardedParam",
     "ShardingSpec",
     "ShardingStrategy",
     "StepFlags",
