@@ -73,7 +73,8 @@ def test_fully_shard_shards_as_the_layout_says(case: str, as_rank: Callable[[int
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)), shard_placement_fn=placement)
         state = model._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's private accessor, untyped
         params = state._fsdp_param_group.fsdp_params
-        names = [name for name, _ in model.named_parameters()]
+        by_id = {id(q): n for n, q in model.named_parameters()}
+        names = [by_id[id(p.sharded_param)] for p in params]  # FSDP2's order, not named_parameters()'
         layout = PerParamLayout.of(
             [(n, tuple(p._orig_size), p.fsdp_placement.dim) for n, p in zip(names, params)], torch.float32, world
         )

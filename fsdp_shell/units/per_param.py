@@ -1,0 +1,72 @@
+"""The tensors of a per-parameter (FSDP2, ``fully_shard``) unit, laid out as
+``fsdp_core.PerParamLayout`` says: each rank's padded shards, the all-gather's copy-in of them
+into the rank's slice of one buffer, and its copy-out back into whole parameters.
+
+The offsets are the layout's (``chunk_at``, ``padded_sharded_shape``); this module only moves
+elements. As in PyTorch's FSDP2, the copy-out is one ``torch.split_with_sizes_copy`` of the
+gathered buffer, viewed ``(world, slice)``, into each parameter's padded unsharded tensor, whose
+rows past the parameter's own are padding; a parameter sharded on a dimension other than 0 is
+gathered as chunks stacked on dimension 0 and concatenated back along its own dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fsdp_core import PerParamLayout
+
+__all__ = ["copy_in", "copy_out", "padded_shard"]
+
+
+def padded_shard(layout: PerParamLayout, index: int, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """``rank``'s padded shard of parameter ``index`` from its whole value ``full``: its
+    ``torch.chunk`` along the shard dimension, zeros after its rows (FSDP2's padded sharded
+    parameter)."""
+    p = layout.params[index]
+    if tuple(full.shape) != p.shape:
+        raise ValueError(f"full: expected the shape of {p.name!r}, {p.shape}, got {tuple(full.shape)}")
+    out = full.new_zeros(layout.padded_sharded_shape(index))
+    rows = layout.rows(index, rank)
+    if rows:
+        start = rank * layout.chunk_rows[index]
+        out.narrow(p.shard_dim, 0, rows).copy_(full.narrow(p.shard_dim, start, rows))
+    return out
+
+
+def copy_in(layout: PerParamLayout, shards: Sequence[torch.Tensor], out: torch.Tensor, rank: int) -> torch.Tensor:
+    """Copy every parameter's padded shard (``shards``, in parameter order) into ``rank``'s slice
+    of ``out``, the all-gather output (``layout.total_numel`` elements); returns that slice, the
+    all-gather's input, so the all-gather runs in place."""
+    if len(shards) != len(layout.params):
+        raise ValueError(f"shards: expected one per parameter ({len(layout.params)}), got {len(shards)}")
+    if out.numel() != layout.total_numel:
+        raise ValueError(f"out: expected {layout.total_numel} elements (world x slice), got {out.numel()}")
+    mine = out.narrow(0, rank * layout.slice_numel, layout.slice_numel)
+    torch._foreach_copy_(  # one kernel launch for the unit, as FSDP2's copy-in
+        list(torch.split(mine, list(layout.padded_shard_numel))), [s.reshape(-1) for s in shards]
+    )
+    return mine
+
+
+def copy_out(layout: PerParamLayout, gathered: torch.Tensor) -> list[torch.Tensor]:
+    """Every parameter's whole value from the gathered buffer, in parameter order: tensors of the
+    parameters' shapes. Each is copied out first as its ``world`` padded chunks stacked on
+    dimension 0 (for a parameter sharded on dimension 0, its padded unsharded tensor; the
+    returned value is a view of it without the padding rows)."""
+    world = layout.world
+    if gathered.numel() != layout.total_numel:
+        raise ValueError(f"gathered: expected {layout.total_numel} elements (world x slice), got {gathered.numel()}")
+    stacked = []
+    for i in range(len(layout.params)):
+        shape = layout.padded_sharded_shape(i)
+        stacked.append(gathered.new_empty((world * shape[0], *shape[1:])))
+    torch.split_with_sizes_copy(
+        gathered.view(world, -1), list(layout.padded_shard_numel), dim=1, out=[t.view(world, -1) for t in stacked]
+    )
+    out = []
+    for p, chunks in zip(layout.params, stacked):
+        whole = chunks if p.shard_dim == 0 else torch.cat(chunks.chunk(world, dim=0), dim=p.shard_dim)
+        out.append(whole.narrow(p.shard_dim, 0, p.rows))
+    return out
