@@ -17,7 +17,10 @@ def format_unshard(schedule: UnshardSchedule) -> str:
     """A readable listing of ``schedule``: the request, then one line per step with its actions."""
     r = schedule.request
     prefetch = "none" if r.backward_prefetch is None else r.backward_prefetch.name
-    after_forward = "reshard (not the root)" if r.reshard_after_forward else "keep"
+    if r.forward_reshards:
+        after_forward = "reshard units " + (" ".join(str(u) for u, v in enumerate(r.forward_reshards) if v) or "none")
+    else:
+        after_forward = "reshard (not the root)" if r.reshard_after_forward else "keep"
     if r.plan_reshards:
         after_backward = "reshard (by the post-backward plan)"
     else:
@@ -58,6 +61,7 @@ def unshard_to_json(schedule: UnshardSchedule, problems: list[Problem] | None = 
         "forward_order": list(r.forward_order),
         "backward_order": list(r.backward_order),
         "reshard_after_forward": r.reshard_after_forward,
+        "forward_reshards": [r.reshards_after_forward(u) for u in range(r.units)],
         "plan_reshards": r.plan_reshards,
         "reshard_at_end_of_backward": r.reshard_at_end_of_backward,
         "backward_prefetch": None if r.backward_prefetch is None else r.backward_prefetch.name,

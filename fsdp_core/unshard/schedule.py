@@ -127,6 +127,10 @@ class UnshardRequest:
     """When the next unit's all-gather is issued in backward; None: in its own pre-backward hook."""
     forward_prefetch: bool = False
     """Issue the next unit's all-gather in each unit's pre-forward, after its own."""
+    forward_reshards: tuple[bool, ...] = ()
+    """Per unit: whether it frees its unsharded parameter after its forward, as ``fully_shard``
+    gives it (each unit has a ``reshard_after_forward`` of its own, and the root may reshard too);
+    empty: FSDP1's rule (``reshards_after_forward``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.units, int) or isinstance(self.units, bool):
@@ -148,6 +152,11 @@ class UnshardRequest:
                 "backward_prefetch: expected None or a BackwardPrefetch (BACKWARD_PRE, "
                 f"BACKWARD_POST), got {self.backward_prefetch!r}"
             )
+        given = self.forward_reshards
+        if not isinstance(given, tuple) or not all(isinstance(v, bool) for v in given):
+            raise TypeError(f"forward_reshards: expected a tuple of bools, one per unit, got {given!r}")
+        if given and len(given) != self.units:
+            raise ValueError(f"forward_reshards: expected one bool per unit ({self.units}), got {len(given)}")
 
     @classmethod
     def chain(
@@ -198,20 +207,28 @@ class UnshardRequest:
                 out.append(HookEvent(post, self.root))
         return tuple(out)
 
+    def reshards_after_forward(self, unit: int) -> bool:
+        """Whether ``unit`` frees its unsharded parameter after its forward: ``forward_reshards``
+        where given, else ``reshard_after_forward`` for every unit but the root (FSDP1). The one
+        answer the planner, the verifier and the renderings read."""
+        if self.forward_reshards:
+            return self.forward_reshards[unit]
+        return self.reshard_after_forward and unit != self.root
+
     @property
     def kept_after_forward(self) -> frozenset[int]:
-        """The units still gathered when backward starts: those that ran forward and either are the
-        root or do not reshard after forward."""
-        return frozenset(u for u in self.forward_order if u == self.root or not self.reshard_after_forward)
+        """The units still gathered when backward starts: those that ran forward and do not reshard
+        after it (``reshards_after_forward``)."""
+        return frozenset(u for u in self.forward_order if not self.reshards_after_forward(u))
 
     def on_demand(self, event: Event, unit: int) -> tuple[UnshardAction, ...]:
         """The actions for a hook the record does not cover: gather and wait right before use,
-        reshard after forward as the strategy says, nothing after backward."""
+        reshard after forward as ``reshards_after_forward`` says, nothing after backward."""
         match event:
             case Event.PRE_FORWARD | Event.PRE_BACKWARD:
                 return (Gather(unit=unit), AwaitGather(unit=unit))
             case Event.POST_FORWARD:
-                return (Reshard(unit=unit),) if self.reshard_after_forward and unit != self.root else ()
+                return (Reshard(unit=unit),) if self.reshards_after_forward(unit) else ()
             case Event.POST_BACKWARD | Event.END_FORWARD | Event.END_BACKWARD:
                 return ()
             case _:
@@ -289,7 +306,8 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
 
     - pre-forward of ``u``: ``Gather(u)`` unless it was prefetched, ``AwaitGather(u)``; with
       ``forward_prefetch`` then ``Gather`` of the next unit in ``forward_order``.
-    - post-forward of ``u``: ``Reshard(u)`` when ``reshard_after_forward`` and ``u`` is not the root.
+    - post-forward of ``u``: ``Reshard(u)`` when ``request.reshards_after_forward(u)`` (FSDP1:
+      ``reshard_after_forward`` and ``u`` is not the root).
     - pre-backward of ``u``: nothing for a unit still gathered from forward; otherwise ``Gather(u)``
       unless it was prefetched, and ``AwaitGather(u)``. With ``BACKWARD_PRE`` then ``Gather`` of the
       next unit in ``backward_order``.

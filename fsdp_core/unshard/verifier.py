@@ -119,14 +119,14 @@ class _Sim:
 
     def check_forward_reshard(self, unit: int) -> None:
         r = self.schedule.request
-        should = r.reshard_after_forward and unit != r.root
+        should = r.reshards_after_forward(unit)
         if should and self.held[unit] is not _Held.SHARDED:
             self.report(
                 Rule.FORWARD_RESHARD,
                 f"unit {unit} keeps its unsharded parameter after forward; reshard_after_forward says to free it",
             )
         elif not should and self.held[unit] is not _Held.GATHERED:
-            why = "it is the root" if unit == r.root else "reshard_after_forward is off"
+            why = "it is the root" if unit == r.root and r.reshard_after_forward else "reshard_after_forward is off"
             self.report(
                 Rule.FORWARD_RESHARD,
                 f"unit {unit} is not gathered after forward, but {why}: backward would all-gather it again",
@@ -149,7 +149,8 @@ def check_unshard(schedule: UnshardSchedule) -> list[Problem]:
     - ``UNUSED_GATHER``: every all-gather is used before its unit is resharded or the iteration
       ends;
     - ``FORWARD_RESHARD``: after its forward a unit is sharded exactly when
-      ``reshard_after_forward`` holds and it is not the root.
+      ``request.reshards_after_forward(unit)`` (FSDP1: ``reshard_after_forward`` holds and it
+      is not the root).
 
     Problems carry ``site="event"`` and the index of the hook in ``request.events``, or -1 for the
     end of the iteration.

@@ -30,6 +30,7 @@ def requests(draw: st.DrawFn) -> UnshardRequest:
         reshard_at_end_of_backward=draw(st.booleans()),
         backward_prefetch=draw(st.sampled_from([None, PRE, POST])),
         forward_prefetch=draw(st.booleans()),
+        forward_reshards=draw(st.one_of(st.just(()), st.tuples(*[st.booleans()] * units))),  # fully_shard's
     )
 
 

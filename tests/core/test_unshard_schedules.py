@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from fsdp_core import HookEvent, UnshardRequest, check_unshard, plan_unshard
+from fsdp_core import HookEvent, UnshardRequest, check_unshard, format_unshard, plan_unshard
 from tests.core.unshard_cases import POST, E, Row, a, chain, g, r, rows
 
 # The 4-unit chain: root 0 wraps 1, 2, 3; forward 0 1 2 3; pre-backward hooks fire 0 3 2 1.
@@ -227,3 +227,33 @@ def test_prefetch_targets_only_units_that_need_gathering() -> None:
     assert cold.actions(E.PRE_BACKWARD, 0) == (g(0), a(0), g(1))
     assert cold.actions(E.PRE_BACKWARD, 1) == (a(1),)
     assert check_unshard(cold) == []
+
+
+def test_each_unit_reshards_as_fully_shard_says_the_root_included() -> None:
+    """fully_shard's per-unit ``reshard_after_forward``: here the root (0) reshards after its
+    forward and unit 2 keeps its parameter. Backward then gathers the root first, prefetches 3
+    (2 is still gathered, so nothing prefetches it) and, from 2's hook, prefetches 1."""
+    request = replace(chain(), forward_reshards=(True, True, False, True))
+    assert [request.reshards_after_forward(u) for u in range(4)] == [True, True, False, True]
+    assert [chain().reshards_after_forward(u) for u in range(4)] == [False, True, True, True]  # FSDP1: not the root
+    schedule = plan_unshard(request)
+    assert check_unshard(schedule) == []
+    assert rows(schedule) == [
+        (E.PRE_FORWARD, 0, (g(0), a(0))),
+        (E.PRE_FORWARD, 1, (g(1), a(1))),
+        (E.POST_FORWARD, 1, (r(1),)),
+        (E.PRE_FORWARD, 2, (g(2), a(2))),
+        (E.POST_FORWARD, 2, ()),
+        (E.PRE_FORWARD, 3, (g(3), a(3))),
+        (E.POST_FORWARD, 3, (r(3),)),
+        (E.POST_FORWARD, 0, (r(0),)),
+        (E.PRE_BACKWARD, 0, (g(0), a(0), g(3))),
+        (E.PRE_BACKWARD, 3, (a(3),)),
+        (E.POST_BACKWARD, 3, ()),
+        (E.PRE_BACKWARD, 2, (g(1),)),
+        (E.POST_BACKWARD, 2, ()),
+        (E.PRE_BACKWARD, 1, (a(1),)),
+        (E.POST_BACKWARD, 1, ()),
+        (E.POST_BACKWARD, 0, ()),
+    ]
+    assert "after forward: reshard units 0 1 3;" in format_unshard(schedule)

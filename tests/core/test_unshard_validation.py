@@ -53,6 +53,9 @@ def _request(**changes: object) -> UnshardRequest:
         ({"reshard_at_end_of_backward": 0}, TypeError, "reshard_at_end_of_backward"),
         ({"forward_prefetch": "yes"}, TypeError, "forward_prefetch"),
         ({"backward_prefetch": "BACKWARD_PRE"}, TypeError, "backward_prefetch"),
+        ({"forward_reshards": (True, True)}, ValueError, r"forward_reshards: expected one bool per unit \(3\), got 2"),
+        ({"forward_reshards": (1, 0, 1)}, TypeError, "forward_reshards: expected a tuple of bools"),
+        ({"forward_reshards": [True, True, True]}, TypeError, "forward_reshards"),
     ],
 )
 def test_bad_requests_fail_naming_the_field(changes: dict[str, object], error: type[Exception], fragment: str) -> None:
