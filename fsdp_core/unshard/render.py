@@ -29,6 +29,14 @@ def format_unshard(schedule: UnshardSchedule) -> str:
         f"all-gather schedule: {r.units} unit(s), root {r.root}; backward_prefetch {prefetch}, "
         f"forward_prefetch {r.forward_prefetch}",
         f"  after forward: {after_forward}; after backward: {after_backward}",
+        *(
+            f"  {name}: " + "; ".join(f"{u} -> {' '.join(map(str, t))}" for u, t in enumerate(lists) if t)
+            for name, lists in (
+                ("forward prefetch", r.forward_prefetches),
+                ("backward prefetch", r.backward_prefetches),
+            )
+            if any(lists)
+        ),
         f"  forward order: {' '.join(map(str, r.forward_order)) or '(not recorded)'}; "
         f"backward order: {' '.join(map(str, r.backward_order)) or '(not recorded)'}",
         "",
@@ -62,6 +70,8 @@ def unshard_to_json(schedule: UnshardSchedule, problems: list[Problem] | None = 
         "backward_order": list(r.backward_order),
         "reshard_after_forward": r.reshard_after_forward,
         "forward_reshards": [r.reshards_after_forward(u) for u in range(r.units)],
+        "forward_prefetches": [list(t) for t in r.forward_prefetches],
+        "backward_prefetches": [list(t) for t in r.backward_prefetches],
         "plan_reshards": r.plan_reshards,
         "reshard_at_end_of_backward": r.reshard_at_end_of_backward,
         "backward_prefetch": None if r.backward_prefetch is None else r.backward_prefetch.name,

@@ -127,6 +127,14 @@ class UnshardRequest:
     """When the next unit's all-gather is issued in backward; None: in its own pre-backward hook."""
     forward_prefetch: bool = False
     """Issue the next unit's all-gather in each unit's pre-forward, after its own."""
+    forward_prefetches: tuple[tuple[int, ...], ...] = ()
+    """Per unit: the units its pre-forward prefetches, in order, after its own all-gather has
+    landed (``fully_shard``'s ``set_modules_to_forward_prefetch``); empty: ``forward_prefetch``
+    (FSDP1: the next unit in ``forward_order``)."""
+    backward_prefetches: tuple[tuple[int, ...], ...] = ()
+    """Per unit: the units its pre-backward prefetches, in order, after its own
+    (``set_modules_to_backward_prefetch``); a unit with none, or an empty tuple overall, prefetches
+    as ``backward_prefetch`` says."""
     forward_reshards: tuple[bool, ...] = ()
     """Per unit: whether it frees its unsharded parameter after its forward, as ``fully_shard``
     gives it (each unit has a ``reshard_after_forward`` of its own, and the root may reshard too);
@@ -152,6 +160,16 @@ class UnshardRequest:
                 "backward_prefetch: expected None or a BackwardPrefetch (BACKWARD_PRE, "
                 f"BACKWARD_POST), got {self.backward_prefetch!r}"
             )
+        for name in ("forward_prefetches", "backward_prefetches"):
+            lists = getattr(self, name)
+            if not isinstance(lists, tuple) or not all(isinstance(t, tuple) for t in lists):
+                raise TypeError(f"{name}: expected a tuple of unit tuples, one per unit, got {lists!r}")
+            if lists and len(lists) != self.units:
+                raise ValueError(f"{name}: expected one tuple per unit ({self.units}), got {len(lists)}")
+            for unit, targets in enumerate(lists):
+                _check_order(f"{name}[{unit}]", targets, self.units)
+                if unit in targets:
+                    raise ValueError(f"{name}[{unit}]: a unit cannot prefetch itself, got {targets!r}")
         given = self.forward_reshards
         if not isinstance(given, tuple) or not all(isinstance(v, bool) for v in given):
             raise TypeError(f"forward_reshards: expected a tuple of bools, one per unit, got {given!r}")
@@ -206,6 +224,12 @@ class UnshardRequest:
             if self.root in order:
                 out.append(HookEvent(post, self.root))
         return tuple(out)
+
+    @property
+    def prefetch_depth(self) -> int:
+        """How many units a hook may leave gathered ahead of their use: one, or the longest
+        explicit prefetch list (``check_unshard``'s ``PREFETCH_DEPTH``)."""
+        return max((len(t) for t in (*self.forward_prefetches, *self.backward_prefetches)), default=1) or 1
 
     def reshards_after_forward(self, unit: int) -> bool:
         """Whether ``unit`` frees its unsharded parameter after its forward: ``forward_reshards``
@@ -302,52 +326,78 @@ class UnshardSchedule:
 
 
 def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
-    """The all-gather schedule FSDP1 runs for ``request``, one step per recorded hook event.
+    """The all-gather schedule FSDP runs for ``request``, one step per recorded hook event.
 
-    - pre-forward of ``u``: ``Gather(u)`` unless it was prefetched, ``AwaitGather(u)``; with
-      ``forward_prefetch`` then ``Gather`` of the next unit in ``forward_order``.
+    - pre-forward of ``u``: ``Gather(u)`` unless it was prefetched, ``AwaitGather(u)``; then
+      ``Gather`` of each unit ``forward_prefetches[u]`` lists, or with ``forward_prefetch`` of
+      the next unit in ``forward_order``.
     - post-forward of ``u``: ``Reshard(u)`` when ``request.reshards_after_forward(u)`` (FSDP1:
       ``reshard_after_forward`` and ``u`` is not the root).
     - pre-backward of ``u``: nothing for a unit still gathered from forward; otherwise ``Gather(u)``
-      unless it was prefetched, and ``AwaitGather(u)``. With ``BACKWARD_PRE`` then ``Gather`` of the
-      next unit in ``backward_order``.
-    - post-backward of ``u``: with ``BACKWARD_POST``, ``Gather`` of the next unit in
-      ``backward_order``, unless ``u`` is the root (its post-backward fires last).
+      unless it was prefetched, and ``AwaitGather(u)``. Then ``Gather`` of each unit
+      ``backward_prefetches[u]`` lists, or with ``BACKWARD_PRE`` of the next unit in
+      ``backward_order``.
+    - post-backward of ``u``: the plan reshards ``u`` first (``plan_reshards``); with
+      ``BACKWARD_POST``, ``Gather`` of the next unit in ``backward_order``, unless ``u`` is the
+      root (its post-backward fires last) or lists prefetches of its own.
 
-    A prefetch targets only the next unit, and only when that unit will need gathering (FSDP1's
-    ``_needs_pre_backward_unshard``): when units stay gathered from forward, backward prefetches
-    nothing.
+    A prefetch gathers only a unit that is sharded at that point (FSDP1's
+    ``_needs_pre_backward_unshard``; FSDP2's ``unshard`` is a no-op otherwise): a unit still
+    gathered from forward, or already in flight, is not gathered again. The planner walks the
+    recorded events keeping each unit's state, as ``check_unshard`` does.
     """
     r = request
-    kept = r.kept_after_forward
     forward_next = dict(zip(r.forward_order, r.forward_order[1:])) if r.forward_prefetch else {}
-    backward_next = {u: v for u, v in zip(r.backward_order, r.backward_order[1:]) if v not in kept}
-    pre_backward_next = backward_next if r.backward_prefetch is BackwardPrefetch.BACKWARD_PRE else {}
-    post_backward_next = (
-        {u: v for u, v in backward_next.items() if u != r.root}
-        if r.backward_prefetch is BackwardPrefetch.BACKWARD_POST
-        else {}
-    )
-    forward_prefetched = set(forward_next.values())
-    backward_prefetched = set(pre_backward_next.values()) | set(post_backward_next.values())
+    backward_next = dict(zip(r.backward_order, r.backward_order[1:]))
+    flight: set[int] = set()
+    gathered: set[int] = set()
 
-    def prefetch(targets: dict[int, int], unit: int) -> tuple[UnshardAction, ...]:
-        return (Gather(unit=targets[unit]),) if unit in targets else ()
+    def forward_targets(unit: int) -> tuple[int, ...]:
+        if r.forward_prefetches:
+            return r.forward_prefetches[unit]
+        return (forward_next[unit],) if unit in forward_next else ()
 
-    def gather(unit: int, prefetched: set[int]) -> tuple[UnshardAction, ...]:
-        return (() if unit in prefetched else (Gather(unit=unit),)) + (AwaitGather(unit=unit),)
+    def backward_targets(unit: int, when: BackwardPrefetch) -> tuple[int, ...]:
+        explicit = r.backward_prefetches[unit] if r.backward_prefetches else ()
+        if explicit:
+            return explicit if when is BackwardPrefetch.BACKWARD_PRE else ()
+        if r.backward_prefetch is not when or unit not in backward_next:
+            return ()
+        if when is BackwardPrefetch.BACKWARD_POST and unit == r.root:
+            return ()
+        return (backward_next[unit],)
+
+    def gather(unit: int) -> tuple[UnshardAction, ...]:
+        if unit in flight or unit in gathered:
+            return ()
+        flight.add(unit)
+        return (Gather(unit=unit),)
+
+    def own(unit: int) -> tuple[UnshardAction, ...]:
+        issued = gather(unit)
+        if unit in gathered:
+            return issued
+        flight.discard(unit)
+        gathered.add(unit)
+        return (*issued, AwaitGather(unit=unit))
+
+    def prefetch(targets: tuple[int, ...]) -> tuple[UnshardAction, ...]:
+        return tuple(a for t in targets for a in gather(t))
 
     def actions(event: Event, unit: int) -> tuple[UnshardAction, ...]:
         match event:
             case Event.PRE_FORWARD:
-                return gather(unit, forward_prefetched) + prefetch(forward_next, unit)
+                return own(unit) + prefetch(forward_targets(unit))
             case Event.POST_FORWARD:
+                if r.reshards_after_forward(unit):
+                    gathered.discard(unit)
                 return r.on_demand(event, unit)
             case Event.PRE_BACKWARD:
-                own = () if unit in kept else gather(unit, backward_prefetched)
-                return own + prefetch(pre_backward_next, unit)
+                return own(unit) + prefetch(backward_targets(unit, BackwardPrefetch.BACKWARD_PRE))
             case Event.POST_BACKWARD:
-                return prefetch(post_backward_next, unit)
+                if r.plan_reshards:
+                    gathered.discard(unit)
+                return prefetch(backward_targets(unit, BackwardPrefetch.BACKWARD_POST))
             case Event.END_FORWARD | Event.END_BACKWARD:
                 return ()
             case _:

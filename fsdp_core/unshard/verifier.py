@@ -111,10 +111,12 @@ class _Sim:
     def check_depth(self) -> None:
         assert self.hook is not None
         early = sorted(self.ahead - {self.hook.unit})
-        if len(early) > 1:
+        depth = self.schedule.request.prefetch_depth
+        if len(early) > depth:
+            most = "one" if depth == 1 else str(depth)
             self.report(
                 Rule.PREFETCH_DEPTH,
-                f"units {', '.join(map(str, early))} are all gathered ahead of use; at most one may be",
+                f"units {', '.join(map(str, early))} are all gathered ahead of use; at most {most} may be",
             )
 
     def check_forward_reshard(self, unit: int) -> None:
@@ -143,8 +145,9 @@ def check_unshard(schedule: UnshardSchedule) -> list[Problem]:
     - ``DOUBLE_GATHER``: no unit is gathered while already gathered or in flight;
     - ``UNSAFE_RESHARD``: no unit is resharded unless gathered and awaited, nor while its forward
       or backward runs;
-    - ``PREFETCH_DEPTH``: at most one unit is gathered or in flight ahead of a use that has not
-      started yet, besides the unit whose hook is running;
+    - ``PREFETCH_DEPTH``: at most one unit (or as many as the longest explicit prefetch list,
+      ``request.prefetch_depth``) is gathered or in flight ahead of a use that has not started
+      yet, besides the unit whose hook is running;
     - ``UNAWAITED_GATHER``: every all-gather issued is awaited by the end of the iteration;
     - ``UNUSED_GATHER``: every all-gather is used before its unit is resharded or the iteration
       ends;

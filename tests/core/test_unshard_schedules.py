@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from fsdp_core import HookEvent, UnshardRequest, check_unshard, format_unshard, plan_unshard
+from fsdp_core import HookEvent, Rule, UnshardRequest, UnshardSchedule, check_unshard, format_unshard, plan_unshard
 from tests.core.unshard_cases import POST, E, Row, a, chain, g, r, rows
 
 # The 4-unit chain: root 0 wraps 1, 2, 3; forward 0 1 2 3; pre-backward hooks fire 0 3 2 1.
@@ -257,3 +257,43 @@ def test_each_unit_reshards_as_fully_shard_says_the_root_included() -> None:
         (E.POST_BACKWARD, 0, ()),
     ]
     assert "after forward: reshard units 0 1 3;" in format_unshard(schedule)
+
+
+def test_explicit_prefetch_lists_gather_what_is_sharded_in_their_order() -> None:
+    """fully_shard's explicit lists on the 4-unit chain (root 0): unit 1's forward prefetches 2
+    and 3, the root's backward prefetches 3 and 2, unit 2's prefetches 1; unit 3 keeps the
+    default (the next unit, 2), which is in flight already, so it gathers nothing."""
+    request = replace(
+        chain(),
+        forward_prefetches=((), (2, 3), (), ()),
+        backward_prefetches=((3, 2), (), (1,), ()),
+    )
+    assert request.prefetch_depth == 2
+    schedule = plan_unshard(request)
+    assert check_unshard(schedule) == []
+    assert rows(schedule) == [
+        (E.PRE_FORWARD, 0, (g(0), a(0))),
+        (E.PRE_FORWARD, 1, (g(1), a(1), g(2), g(3))),
+        (E.POST_FORWARD, 1, (r(1),)),
+        (E.PRE_FORWARD, 2, (a(2),)),
+        (E.POST_FORWARD, 2, (r(2),)),
+        (E.PRE_FORWARD, 3, (a(3),)),
+        (E.POST_FORWARD, 3, (r(3),)),
+        (E.POST_FORWARD, 0, ()),
+        (E.PRE_BACKWARD, 0, (g(3), g(2))),
+        (E.PRE_BACKWARD, 3, (a(3),)),
+        (E.POST_BACKWARD, 3, ()),
+        (E.PRE_BACKWARD, 2, (a(2), g(1))),
+        (E.POST_BACKWARD, 2, ()),
+        (E.PRE_BACKWARD, 1, (a(1),)),
+        (E.POST_BACKWARD, 1, ()),
+        (E.POST_BACKWARD, 0, ()),
+    ]
+    # the same gathers one unit ahead at most would be two ahead: the depth rule names them
+
+    shallow = UnshardSchedule(
+        request=replace(request, forward_prefetches=(), backward_prefetches=()), steps=schedule.steps
+    )
+    assert [p.rule for p in check_unshard(shallow)] == [Rule.PREFETCH_DEPTH, Rule.PREFETCH_DEPTH]
+    text = format_unshard(schedule)
+    assert "  forward prefetch: 1 -> 2 3\n" in text and "  backward prefetch: 0 -> 3 2; 2 -> 1\n" in text

@@ -56,6 +56,19 @@ def _request(**changes: object) -> UnshardRequest:
         ({"forward_reshards": (True, True)}, ValueError, r"forward_reshards: expected one bool per unit \(3\), got 2"),
         ({"forward_reshards": (1, 0, 1)}, TypeError, "forward_reshards: expected a tuple of bools"),
         ({"forward_reshards": [True, True, True]}, TypeError, "forward_reshards"),
+        ({"forward_prefetches": ((1,), ())}, ValueError, r"forward_prefetches: expected one tuple per unit \(3\)"),
+        ({"forward_prefetches": ((1,), [2], ())}, TypeError, "forward_prefetches: expected a tuple of unit tuples"),
+        (
+            {"backward_prefetches": ((), (1,), ())},
+            ValueError,
+            r"backward_prefetches\[1\]: a unit cannot",
+        ),
+        (
+            {"backward_prefetches": ((3,), (), ())},
+            ValueError,
+            r"backward_prefetches\[0\]: expected unit",
+        ),
+        ({"forward_prefetches": ((1, 1), (), ())}, ValueError, r"forward_prefetches\[0\]: every unit may appear once"),
     ],
 )
 def test_bad_requests_fail_naming_the_field(changes: dict[str, object], error: type[Exception], fragment: str) -> None:

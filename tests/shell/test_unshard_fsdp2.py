@@ -111,7 +111,12 @@ def _record(model: nn.Module, units: dict[int, int], monkeypatch: pytest.MonkeyP
     return log
 
 
-def _ours(recorded: Recorded, forward_reshards: tuple[bool, ...]) -> Recorded:
+def _ours(
+    recorded: Recorded,
+    forward_reshards: tuple[bool, ...],
+    forward_prefetches: tuple[tuple[int, ...], ...] = (),
+    backward_prefetches: tuple[tuple[int, ...], ...] = (),
+) -> Recorded:
     request = UnshardRequest(
         units=BLOCKS + 1,
         root=BLOCKS,
@@ -119,6 +124,8 @@ def _ours(recorded: Recorded, forward_reshards: tuple[bool, ...]) -> Recorded:
         backward_order=tuple(u for e, u, _ in recorded if e is Event.PRE_BACKWARD),
         reshard_after_forward=True,
         forward_reshards=forward_reshards,
+        forward_prefetches=forward_prefetches,
+        backward_prefetches=backward_prefetches,
         plan_reshards=True,
         reshard_at_end_of_backward=True,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
@@ -166,3 +173,25 @@ def test_fully_shard_runs_the_planned_schedule(
     recorded = _record(model, {id(g): u for u, g in enumerate(groups)}, monkeypatch)
     assert sum(len(actions) for _, _, actions in recorded) >= 3 * (BLOCKS + 1), recorded
     assert recorded == _ours(recorded, forward_reshards)
+
+
+def test_explicit_prefetch_lists_run_as_planned(fake_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``: block 0 prefetches
+    blocks 1 and 2 in its forward (two units ahead), the root's backward prefetches blocks 2 and
+    1, block 1's prefetches block 0; the others keep FSDP2's default backward prefetch."""
+    torch.manual_seed(0)
+    model = _Net()
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    b0, b1, b2 = model.blocks
+    b0.set_modules_to_forward_prefetch([b1, b2])  # type: ignore[operator]  # FSDPModule's, untyped
+    model.set_modules_to_backward_prefetch([b2, b1])  # type: ignore[operator]  # FSDPModule's, untyped
+    b1.set_modules_to_backward_prefetch([b0])  # type: ignore[operator]  # FSDPModule's, untyped
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in (*model.blocks, model)]
+    recorded = _record(model, {id(g): u for u, g in enumerate(groups)}, monkeypatch)
+    forward = ((1, 2), (), (), ())
+    backward = ((), (0,), (), (2, 1))
+    assert ("gather", 2) in recorded[1][2], "block 0's forward prefetches two blocks"
+    assert recorded == _ours(recorded, (True, True, True, False), forward, backward)
