@@ -83,7 +83,7 @@ from fsdp_core.spec.layout import (
     aligned_numel_for,
     unsharded_views,
 )
-from fsdp_core.spec.per_param import PerParamLayout, ShardedParam
+from fsdp_core.spec.per_param import PerParamLayout, ShardedParam, UnitDtypes, unit_dtypes
 from fsdp_core.unshard.render import format_unshard, unshard_to_json
 from fsdp_core.unshard.schedule import (
     AwaitGather,
@@ -157,6 +157,7 @@ __all__ = [
     "ShardingStrategy",
     "StepFlags",
     "Stream",
+    "UnitDtypes",
     "UnshardAction",
     "UnshardRequest",
     "UnshardSchedule",
@@ -182,6 +183,7 @@ __all__ = [
     "plan_to_json",
     "plan_unshard",
     "step_flags",
+    "unit_dtypes",
     "unshard_request",
     "unshard_to_json",
     "unsharded_views",

@@ -31,7 +31,7 @@ import torch
 from fsdp_core.spec.config import FLOAT_DTYPES
 from fsdp_core.spec.layout import ceil_div
 
-__all__ = ["PerParamLayout", "ShardedParam"]
+__all__ = ["PerParamLayout", "ShardedParam", "UnitDtypes", "unit_dtypes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,3 +187,30 @@ class PerParamLayout:
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world:
             raise ValueError(f"rank: expected 0 <= rank < {self.world}, got {rank!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitDtypes:
+    """The dtypes of one per-parameter unit's step, from its parameters' dtype and
+    ``MixedPrecisionPolicy`` as PyTorch's FSDP2 resolves them."""
+
+    orig: torch.dtype
+    """The sharded parameters', and the sharded gradients' the optimizer sees."""
+    compute: torch.dtype
+    """The all-gather's and the unsharded parameters' (forward and backward run in it), so the
+    unsharded gradients' too."""
+    reduce: torch.dtype
+    """The reduce-scatter's and all-reduce's, and ``no_sync`` accumulation's."""
+
+
+def unit_dtypes(orig: torch.dtype, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> UnitDtypes:
+    """FSDP2's ``FSDPParam.init_dtype_attrs``: the parameters are gathered and computed in
+    ``param_dtype`` (their own dtype when None), gradients are reduced in ``reduce_dtype`` (the
+    compute dtype when None; FSDP2 also clamps one equal to ``param_dtype`` to None, which names
+    the same dtype), and the reduced shard is cast back to the parameters' dtype."""
+    for name, value in (("orig", orig), ("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and (not isinstance(value, torch.dtype) or value not in FLOAT_DTYPES):
+            raise TypeError(f"{name}: expected a floating dtype{'' if name == 'orig' else ' or None'}, got {value!r}")
+    compute = orig if param_dtype is None else param_dtype
+    reduce = compute if reduce_dtype is None else reduce_dtype
+    return UnitDtypes(orig=orig, compute=compute, reduce=reduce)

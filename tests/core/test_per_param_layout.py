@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsdp_core import PerParamLayout, ShardedParam
+from fsdp_core import PerParamLayout, ShardedParam, UnitDtypes, unit_dtypes
 
 
 def linear_10_9(world: int) -> PerParamLayout:
@@ -139,3 +139,16 @@ def test_copy_in_then_copy_out_gives_every_parameter_back(shapes: list[tuple[int
             rows = layout.rows(i, r)
             assert rows == (own[r].size(0) if r < len(own) else 0)
             assert torch.equal(piece[:rows], own[r][:rows] if rows else piece[:0])
+
+
+def test_unit_dtypes_by_hand() -> None:
+    """bf16 compute with fp32 reduction; a reduce dtype equal to the param dtype reduces in the
+    compute dtype; nothing set: everything in the parameters' dtype."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert unit_dtypes(f32, bf16, f32) == UnitDtypes(orig=f32, compute=bf16, reduce=f32)
+    assert unit_dtypes(f32, bf16, bf16) == UnitDtypes(orig=f32, compute=bf16, reduce=bf16)
+    assert unit_dtypes(f32, bf16, None) == UnitDtypes(orig=f32, compute=bf16, reduce=bf16)
+    assert unit_dtypes(f32, None, bf16) == UnitDtypes(orig=f32, compute=f32, reduce=bf16)
+    assert unit_dtypes(bf16, None, None) == UnitDtypes(orig=bf16, compute=bf16, reduce=bf16)
+    with pytest.raises(TypeError, match=r"reduce_dtype: expected a floating dtype or None, got torch\.int8"):
+        unit_dtypes(f32, None, torch.int8)

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_core import PerParamLayout
+from fsdp_core import PerParamLayout, UnitDtypes, unit_dtypes
 
 
 class _TwoLinears(nn.Module):
@@ -90,3 +90,28 @@ def test_fully_shard_shards_as_the_layout_says(case: str, as_rank: Callable[[int
             want = mine[rank] if rank < len(mine) else full[name].new_empty(layout.sharded_shape(i, rank))
             assert torch.equal(local, want), where
         dist.destroy_process_group()
+
+
+DTYPES = [None, torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("orig", [torch.float32, torch.bfloat16])
+def test_fully_shard_resolves_mixed_precision_as_unit_dtypes_does(
+    orig: torch.dtype, as_rank: Callable[[int, int], None]
+) -> None:
+    """Every ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` pair of None, fp32, bf16 and
+    fp16: FSDP2's own parameters gather in ``param_dtype or orig`` and reduce in ``reduce_dtype``
+    or that (its ``None`` means "no cast")."""
+    as_rank(0, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    for param_dtype in DTYPES:
+        for reduce_dtype in DTYPES:
+            model = nn.Linear(4, 4).to(orig)
+            policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            state = model._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's private accessor
+            state._lazy_init()  # where FSDP2 resolves the dtypes (its first forward)
+            (p, _) = state._fsdp_param_group.fsdp_params
+            compute = p.param_dtype or orig
+            theirs = UnitDtypes(orig=p.orig_dtype, compute=compute, reduce=p.reduce_dtype or compute)
+            assert unit_dtypes(orig, param_dtype, reduce_dtype) == theirs, (param_dtype, reduce_dtype)
