@@ -20,6 +20,7 @@ __all__ = [
     "ShardingSpec",
     "aligned_numel_for",
     "ceil_div",
+    "check_unit_params",
 ]
 
 ALIGNMENT_BYTES = 16
@@ -34,6 +35,21 @@ def ceil_div(a: int, b: int) -> int:
 def aligned_numel_for(dtype: torch.dtype) -> int:
     """Elements per alignment unit for ``dtype``: FSDP1's ``_get_aligned_numel``."""
     return max(1, ALIGNMENT_BYTES // dtype.itemsize)
+
+
+def check_unit_params(params: object, kind: type, dtype: object) -> None:
+    """One unit's parameters, for either layout: a non-empty tuple of ``kind`` with unique names,
+    and one floating ``dtype``; raises naming the field."""
+    if not isinstance(params, tuple) or not params:
+        raise ValueError(f"params: expected a non-empty tuple of {kind.__name__}")
+    if not all(isinstance(p, kind) for p in params):
+        raise TypeError(f"params: every entry must be a {kind.__name__}")
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"params: duplicate parameter names {dup}")
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected a floating dtype, got {dtype!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,16 +96,7 @@ class FlatParamLayout:
     total_numel: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.params, tuple) or not self.params:
-            raise ValueError("params: expected a non-empty tuple of ParamSpec")
-        if not all(isinstance(p, ParamSpec) for p in self.params):
-            raise TypeError("params: every entry must be a ParamSpec")
-        names = [p.name for p in self.params]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"params: duplicate parameter names {dup}")
-        if not isinstance(self.dtype, torch.dtype) or self.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype: expected a floating dtype, got {self.dtype!r}")
+        check_unit_params(self.params, ParamSpec, self.dtype)
         if not isinstance(self.alignment_numel, int) or self.alignment_numel < 1:
             raise ValueError(f"alignment_numel: expected an int >= 1, got {self.alignment_numel!r}")
         offsets, total = _lay_out(self.params, self.alignment_numel)

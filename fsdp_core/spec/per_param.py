@@ -18,7 +18,8 @@ FSDP2 (uneven sharding there would need copies before and after the collectives)
 parameters are refused, as FSDP2 refuses them.
 
 All arithmetic on per-parameter chunks, padding and offsets is here and nowhere else; the flat
-layout of the FSDP1 API is ``fsdp_core.spec.layout``'s, and neither assumes the other.
+layout of the FSDP1 API is ``fsdp_core.spec.layout``'s, and neither assumes the other (they share
+``ceil_div`` and the check of a unit's parameters, ``check_unit_params``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_core.spec.config import FLOAT_DTYPES
-from fsdp_core.spec.layout import ceil_div
+from fsdp_core.spec.layout import ceil_div, check_unit_params
 
 __all__ = ["PerParamLayout", "ShardedParam", "UnitDtypes", "unit_dtypes"]
 
@@ -102,16 +103,7 @@ class PerParamLayout:
     slice_numel: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.params, tuple) or not self.params:
-            raise ValueError("params: expected a non-empty tuple of ShardedParam")
-        if not all(isinstance(p, ShardedParam) for p in self.params):
-            raise TypeError("params: every entry must be a ShardedParam")
-        names = [p.name for p in self.params]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"params: duplicate parameter names {dup}")
-        if not isinstance(self.dtype, torch.dtype) or self.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype: expected a floating dtype, got {self.dtype!r}")
+        check_unit_params(self.params, ShardedParam, self.dtype)
         if not isinstance(self.world, int) or isinstance(self.world, bool) or self.world < 1:
             raise ValueError(f"world: expected an int >= 1 (ranks in the shard group), got {self.world!r}")
         for p in self.params:
