@@ -1,6 +1,7 @@
 """The tensors of a per-parameter (FSDP2, ``fully_shard``) unit, laid out as
 ``fsdp_core.PerParamLayout`` says: each rank's padded shards, the all-gather's copy-in of them
-into the rank's slice of one buffer, and its copy-out back into whole parameters.
+into the rank's slice of one buffer, and its copy-out back into whole parameters; the
+reduce-scatter's copy-in of the unsharded gradients, and the sharded gradients it leaves.
 
 The offsets are the layout's (``chunk_at``, ``padded_sharded_shape``); this module only moves
 elements. As in PyTorch's FSDP2, the copy-out is one ``torch.split_with_sizes_copy`` of the
@@ -17,7 +18,7 @@ import torch
 
 from fsdp_core import PerParamLayout
 
-__all__ = ["copy_in", "copy_out", "padded_shard"]
+__all__ = ["copy_in", "copy_in_grads", "copy_out", "padded_shard", "sharded_grads"]
 
 
 def padded_shard(layout: PerParamLayout, index: int, full: torch.Tensor, rank: int) -> torch.Tensor:
@@ -69,4 +70,36 @@ def copy_out(layout: PerParamLayout, gathered: torch.Tensor) -> list[torch.Tenso
     for p, chunks in zip(layout.params, stacked):
         whole = chunks if p.shard_dim == 0 else torch.cat(chunks.chunk(world, dim=0), dim=p.shard_dim)
         out.append(whole.narrow(p.shard_dim, 0, p.rows))
+    return out
+
+
+def copy_in_grads(layout: PerParamLayout, grads: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """The reduce-scatter's input: every parameter's unsharded gradient (its shape, in
+    parameter order) padded on its shard dimension to ``world`` chunks, chunk ``r`` copied to
+    ``chunk_at(i, r)`` of ``out`` and cast to ``out``'s dtype, in one ``torch._chunk_cat``, as
+    FSDP2's copy-in (a gradient sharded on another dimension is first stacked as its chunks on
+    dimension 0)."""
+    if len(grads) != len(layout.params):
+        raise ValueError(f"grads: expected one per parameter ({len(layout.params)}), got {len(grads)}")
+    if out.numel() != layout.total_numel:
+        raise ValueError(f"out: expected {layout.total_numel} elements (world x slice), got {out.numel()}")
+    world = layout.world
+    stacked = []
+    for p, g in zip(layout.params, grads):
+        if tuple(g.shape) != p.shape:
+            raise ValueError(f"grads: expected the shape of {p.name!r}, {p.shape}, got {tuple(g.shape)}")
+        stacked.append(g if p.shard_dim == 0 else torch.cat(torch.chunk(g, world, dim=p.shard_dim), dim=0))
+    torch._chunk_cat(stacked, 0, world, out=out.view(world, -1))
+
+
+def sharded_grads(layout: PerParamLayout, reduced: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """Every parameter's sharded gradient on ``rank``, as views of the reduce-scatter's output
+    ``reduced`` (one rank's slice): its rows at its offset, in its sharded shape (FSDP2's
+    ``.grad`` local tensors; empty where ``rank`` holds no rows)."""
+    if reduced.numel() != layout.slice_numel:
+        raise ValueError(f"reduced: expected {layout.slice_numel} elements (one rank's slice), got {reduced.numel()}")
+    out = []
+    for i, p in enumerate(layout.params):
+        numel = layout.rows(i, rank) * p.row_numel
+        out.append(reduced.narrow(0, layout.shard_offsets[i], numel).view(layout.sharded_shape(i, rank)))
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_core import PerParamLayout
-from fsdp_shell.units.per_param import copy_in, copy_out, padded_shard
+from fsdp_shell.units.per_param import copy_in, copy_in_grads, copy_out, padded_shard, sharded_grads
 
 
 def test_a_padded_shard_by_hand() -> None:
@@ -53,3 +53,39 @@ def test_tensors_of_the_wrong_size_are_refused_by_name() -> None:
         copy_in(layout, [torch.zeros(2), torch.zeros(1)], torch.zeros(5), 0)
     with pytest.raises(ValueError, match=r"gathered: expected 6 elements \(world x slice\), got 7"):
         copy_out(layout, torch.zeros(7))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_ranks_gradient_copy_in_summed_gives_each_rank_its_chunk_of_the_sum(world: int) -> None:
+    """The reduce side: each rank copies its unsharded gradients in (bf16 into fp32, as with an
+    fp32 reduce dtype); the buffers summed over ranks and split by rank are what a summing
+    reduce-scatter leaves; each rank's sharded gradients are its ``torch.chunk`` of the summed
+    gradients, empty where it holds no rows."""
+    specs = [("a", (5, 3), 0), ("b", (7,), 0), ("c", (2, 12), 1), ("d", (1, 4), 0)]
+    layout = PerParamLayout.of(specs, torch.float32, world)
+    torch.manual_seed(world)
+    grads = [[torch.randn(shape).to(torch.bfloat16) for _, shape, _ in specs] for _ in range(world)]
+    total = torch.zeros(layout.total_numel)
+    for rank in range(world):
+        mine = torch.full((layout.total_numel,), float("nan"))
+        copy_in_grads(layout, grads[rank], mine)
+        total += mine
+    summed = [torch.zeros(shape) for _, shape, _ in specs]
+    for rank_grads in grads:  # in rank order from zero, as the buffers are summed
+        for acc, g in zip(summed, rank_grads):
+            acc.add_(g.float())
+    for rank in range(world):
+        reduced = total[rank * layout.slice_numel : (rank + 1) * layout.slice_numel]
+        for i, got in enumerate(sharded_grads(layout, reduced, rank)):
+            (_, _, dim) = specs[i]
+            chunks = torch.chunk(summed[i], world, dim=dim)
+            want = chunks[rank] if rank < len(chunks) else summed[i].narrow(dim, 0, 0)
+            assert torch.equal(got, want), (rank, specs[i][0])
+
+
+def test_gradients_of_the_wrong_size_are_refused_by_name() -> None:
+    layout = PerParamLayout.of([("w", (3,)), ("b", (2,))], torch.float32, 2)
+    with pytest.raises(ValueError, match=r"grads: expected the shape of 'b', \(2,\), got \(3,\)"):
+        copy_in_grads(layout, [torch.zeros(3), torch.zeros(3)], torch.zeros(6))
+    with pytest.raises(ValueError, match=r"reduced: expected 3 elements \(one rank's slice\), got 6"):
+        sharded_grads(layout, torch.zeros(6), 0)
