@@ -5,6 +5,7 @@ All arithmetic on offsets, padding and shard bounds is here and nowhere else.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -72,10 +73,7 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,6 +24,7 @@ layout of the FSDP1 API is ``fsdp_core.spec.layout``'s, and neither assumes the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -65,10 +66,7 @@ class ShardedParam:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def rows(self) -> int:
@@ -78,11 +76,7 @@ class ShardedParam:
     @property
     def row_numel(self) -> int:
         """Elements per row along the shard dimension (the product of the other dimensions)."""
-        n = 1
-        for d, size in enumerate(self.shape):
-            if d != self.shard_dim:
-                n *= size
-        return n
+        return math.prod(size for d, size in enumerate(self.shape) if d != self.shard_dim)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
