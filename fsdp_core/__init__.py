@@ -20,6 +20,7 @@ from fsdp_core.plan.ops import (
     Buffer,
     Cast,
     CommHookCall,
+    CopyIn,
     Destination,
     Device,
     Divide,
@@ -41,6 +42,7 @@ from fsdp_core.plan.ops import (
     op_name,
 )
 from fsdp_core.plan.planner import (
+    PER_PARAM_BUILDERS,
     PLAN_BUILDERS,
     PlanCache,
     UnsoundPlanError,
@@ -102,6 +104,7 @@ from fsdp_core.unshard.verifier import check_unshard
 __all__ = [
     "CARRIED_ROLES",
     "HYBRID_STRATEGIES",
+    "PER_PARAM_BUILDERS",
     "PLANS_IN_FLIGHT",
     "PLAN_BUILDERS",
     "Accumulate",
@@ -115,6 +118,7 @@ __all__ = [
     "CommHook",
     "CommHookCall",
     "CommVolume",
+    "CopyIn",
     "Destination",
     "Device",
     "Divide",

@@ -34,6 +34,7 @@ from fsdp_core.plan.ops import (
     Buffer,
     Cast,
     CommHookCall,
+    CopyIn,
     Device,
     Divide,
     EndOfBackwardWait,
@@ -283,7 +284,7 @@ class _Walk:
                     self._drain()
             case Free():
                 self._free(op.buffer)
-            case Cast() | Pad():
+            case Cast() | Pad() | CopyIn():
                 self._bind(op.dst)
                 self._compute(op, op.stream)
             case Divide() | Accumulate():

@@ -19,6 +19,7 @@ from fsdp_core.plan.ops import (
     AllReduce,
     Cast,
     CommHookCall,
+    CopyIn,
     Divide,
     EndOfBackwardWait,
     Free,
@@ -169,6 +170,7 @@ def _volume(index: int, op: Op, request: PlanRequest) -> CommVolume | None:
             | FreeUnshardedParam()
             | Cast()
             | Pad()
+            | CopyIn()
             | Divide()
             | Accumulate()
             | Offload()

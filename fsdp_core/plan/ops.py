@@ -16,6 +16,7 @@ import torch
 from fsdp_core.spec.config import CommHook
 from fsdp_core.spec.division import ReduceOpSpec
 from fsdp_core.spec.layout import ShardView
+from fsdp_core.spec.per_param import PerParamLayout
 
 __all__ = [
     "Accumulate",
@@ -23,6 +24,7 @@ __all__ = [
     "Buffer",
     "Cast",
     "CommHookCall",
+    "CopyIn",
     "Destination",
     "Device",
     "Divide",
@@ -196,6 +198,20 @@ class Pad:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CopyIn:
+    """A per-parameter unit's reduce-scatter copy-in (PyTorch's ``chunk_cat``): ``src`` holds the
+    unit's unsharded gradients (one tensor per parameter, ``layout.total_numel`` elements in
+    all); each is padded on its shard dimension to ``layout.world`` chunks and chunk ``r`` of every
+    parameter goes to rank ``r``'s slice of ``dst`` (``layout.chunk_at``), cast to ``dst``'s
+    dtype, the padding zero. Allocates ``dst`` (``layout.padded_numel`` elements)."""
+
+    src: Buffer
+    dst: Buffer
+    layout: PerParamLayout
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Divide:
     """``buffer /= factor`` in place."""
 
@@ -244,7 +260,8 @@ class CommHookCall:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Accumulate:
-    """``dst += src`` in place (``dst`` already exists)."""
+    """``dst += src`` in place (``dst`` already exists; its dtype is ``src``'s or wider, as a
+    per-parameter unit's reduce-dtype accumulation of lower-precision gradients)."""
 
     dst: Buffer
     src: Buffer
@@ -297,6 +314,7 @@ Op = Union[
     FreeUnshardedParam,
     Cast,
     Pad,
+    CopyIn,
     Divide,
     ReduceScatter,
     AllReduce,
@@ -328,6 +346,8 @@ def op_name(op: Op) -> str:
             return "cast"
         case Pad():
             return "pad"
+        case CopyIn():
+            return "copy_in"
         case Divide():
             return "divide"
         case ReduceScatter():

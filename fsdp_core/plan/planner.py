@@ -1,8 +1,11 @@
-"""Build the post-backward plan of one flat parameter.
+"""Build the post-backward plan of one unit: a flat parameter or a per-parameter group.
 
 A plan is built by threading an immutable ``Draft`` (the ops so far, which buffer holds the
 gradient, which stream we are on) through a pipeline of pure stages. The shape of the
-reduction is chosen by a dispatch table from strategy to builder, not by an if-ladder.
+reduction is chosen by a dispatch table from layout and strategy to builder, not by an
+if-ladder. The two layouts share every stage but the one that makes the reduce-scatter input:
+a flat parameter's gradient is cast and padded (``_cast_to_reduce_dtype``, ``_pad_to_shards``);
+a per-parameter unit's gradients are copied in, cast on the way (``_copy_in``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from fsdp_core.plan.ops import (
     Buffer,
     Cast,
     CommHookCall,
+    CopyIn,
     Destination,
     Device,
     Divide,
@@ -46,9 +50,11 @@ from fsdp_core.plan.verifier import check_plan
 from fsdp_core.problems import Problem
 from fsdp_core.spec.config import CommHook, CPUOffload, HybridAllReduce, MixedPrecision, ShardingStrategy, StepFlags
 from fsdp_core.spec.division import DivideFactors, Division, divide_factors
-from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec, unsharded_views
+from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
+from fsdp_core.spec.per_param import PerParamLayout
 
 __all__ = [
+    "PER_PARAM_BUILDERS",
     "PLAN_BUILDERS",
     "PlanCache",
     "UnsoundPlanError",
@@ -145,10 +151,16 @@ def _inputs(d: Draft) -> Draft:
 
 
 def _merge_pending_unsharded(d: Draft) -> Draft:
-    """Add this backward's gradient into the one accumulated by earlier ``no_sync`` backwards."""
-    if not d.request.flags.pending_unsharded:
-        return d
-    pending = _pending_unsharded(d.request)
+    """Add this backward's gradient into the one accumulated by earlier ``no_sync`` backwards;
+    inside ``no_sync`` with none yet, keep this one in the dtype unsharded gradients accumulate in
+    (``PlanRequest.pending_dtype``: a per-parameter unit's reduce dtype)."""
+    r = d.request
+    if not r.flags.pending_unsharded:
+        if r.flags.sync_gradients or d.grad.dtype is r.pending_dtype:
+            return d
+        new = Buffer(name=f"grad.{_dtype_tag(r.pending_dtype)}", numel=d.grad.numel, dtype=r.pending_dtype)
+        return _replace_grad(d, Cast(src=d.grad, dst=new, stream=d.stream), new)
+    pending = _pending_unsharded(r)
     return _replace_grad(d, Accumulate(dst=pending, src=d.grad, stream=d.stream), pending)
 
 
@@ -170,6 +182,15 @@ def _pad_to_shards(d: Draft) -> Draft:
         return d
     new = Buffer(name="grad.padded", numel=padded, dtype=d.grad.dtype)
     return _replace_grad(d, Pad(src=d.grad, dst=new, stream=d.stream), new)
+
+
+def _copy_in(d: Draft) -> Draft:
+    """A per-parameter unit's reduce-scatter input: every gradient's chunks copied rank-major
+    into one buffer, cast to the reduce dtype on the way (``CopyIn``)."""
+    r = d.request
+    assert isinstance(r.layout, PerParamLayout)
+    new = Buffer(name="grad.in", numel=r.sharding.padded_numel(r.layout), dtype=r.reduce_dtype)
+    return _replace_grad(d, CopyIn(src=d.grad, dst=new, layout=r.layout, stream=d.stream), new)
 
 
 def _divide(d: Draft, factor: float) -> Draft:
@@ -322,12 +343,9 @@ def _grad_views(d: Draft) -> Draft:
     """Expose the final gradient as the original parameters' ``.grad`` (``use_orig_params``);
     nothing for a kept partial reduction, which is no gradient yet."""
     r = d.request
-    if not r.use_orig_params or d.destination is Destination.PARTIAL:
+    if not r.exposes_views or d.destination is Destination.PARTIAL:
         return d
-    if not r.flags.sync_gradients or not r.sharding.strategy.is_sharded:
-        views = unsharded_views(r.layout)
-    else:
-        views = r.sharding.shard_views(r.layout)
+    views = r.shard_views() if r.flags.sync_gradients else r.unsharded_views()
     return _emit(d, GradViews(buffer=d.grad, views=views, stream=d.stream))
 
 
@@ -341,7 +359,7 @@ def _hand_off(d: Draft) -> Draft:
 
 
 def _pending_unsharded(r: PlanRequest) -> Buffer:
-    return Buffer(name="grad.pending", numel=r.layout.total_numel, dtype=r.compute_dtype)
+    return Buffer(name="grad.pending", numel=r.layout.total_numel, dtype=r.pending_dtype)
 
 
 def _saved_grad(r: PlanRequest) -> Buffer:
@@ -390,21 +408,46 @@ PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = MappingProxyType(
 )
 """Strategy -> the stages of its plan when gradients are synchronised. Read-only."""
 
+_PER_PARAM_PROLOGUE: tuple[Stage, ...] = (_inputs, _to_post_backward_stream, _merge_pending_unsharded, _copy_in)
+
+PER_PARAM_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = MappingProxyType(
+    {
+        ShardingStrategy.FULL_SHARD: (*_PER_PARAM_PROLOGUE, _reduce_scatter, _post_divide, *_FINALIZE),
+        ShardingStrategy.SHARD_GRAD_OP: (*_PER_PARAM_PROLOGUE, _reduce_scatter, _post_divide, *_FINALIZE),
+        ShardingStrategy.HYBRID_SHARD: (*_PER_PARAM_PROLOGUE, _reduce_scatter, _replicate_all_reduce, *_FINALIZE),
+        ShardingStrategy.HYBRID_SHARD_ZERO2: (
+            *_PER_PARAM_PROLOGUE,
+            _reduce_scatter,
+            _replicate_all_reduce,
+            *_FINALIZE,
+        ),
+    }
+)
+"""Strategy -> the stages of a per-parameter (``fully_shard``) unit's plan when gradients are
+synchronised: ``PLAN_BUILDERS``' with the copy-in for the cast and pad. Read-only."""
+
 NO_SYNC_STAGES: tuple[Stage, ...] = (_inputs, _merge_pending_unsharded, *_END_OF_BACKWARD)
-"""The stages inside ``no_sync()``: accumulate locally, communicate nothing."""
+"""The stages inside ``no_sync()``: accumulate locally, communicate nothing (both layouts)."""
+
+
+def plan_stages(request: PlanRequest) -> tuple[Stage, ...]:
+    """The stages of ``request``'s plan: by layout and strategy, or ``no_sync``'s."""
+    if not request.flags.sync_gradients:
+        return NO_SYNC_STAGES
+    builders = PER_PARAM_BUILDERS if request.per_param else PLAN_BUILDERS
+    return builders[request.sharding.strategy]
 
 
 def build_plan(request: PlanRequest) -> Plan:
     """The plan for ``request``: pure, deterministic, and equal for equal requests."""
     grad = Buffer(name="grad", numel=request.layout.total_numel, dtype=request.compute_dtype)
     start = Draft(request=request, ops=(), grad=grad, stream=Stream.COMPUTE)
-    stages = PLAN_BUILDERS[request.sharding.strategy] if request.flags.sync_gradients else NO_SYNC_STAGES
-    done: Draft = pipe(start, *stages)
+    done: Draft = pipe(start, *plan_stages(request))
     return Plan(request=request, ops=done.ops, factors=done.factors)
 
 
 def plan_post_backward(
-    layout: FlatParamLayout,
+    layout: FlatParamLayout | PerParamLayout,
     sharding: ShardingSpec,
     *,
     mixed_precision: MixedPrecision = MixedPrecision(),
@@ -414,8 +457,10 @@ def plan_post_backward(
     use_orig_params: bool = False,
     flags: StepFlags = StepFlags(),
     hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC,
+    reshard_after_backward: bool | None = None,
 ) -> Plan:
-    """The gradient post-processing of one flat parameter for one backward, as a ``Plan``.
+    """The gradient post-processing of one unit (a flat parameter or a per-parameter group) for
+    one backward, as a ``Plan``.
 
     Raises ``ValueError``/``TypeError`` naming the argument when the combination is invalid.
     """
@@ -429,6 +474,7 @@ def plan_post_backward(
         use_orig_params=use_orig_params,
         flags=flags,
         hybrid_all_reduce=hybrid_all_reduce,
+        reshard_after_backward=reshard_after_backward,
     )
     return build_plan(request)
 

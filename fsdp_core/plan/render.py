@@ -13,6 +13,7 @@ from fsdp_core.plan.ops import (
     Buffer,
     Cast,
     CommHookCall,
+    CopyIn,
     Divide,
     EndOfBackwardWait,
     Free,
@@ -58,6 +59,9 @@ def describe_op(op: Op) -> str:
             return f"{op.src} -> {op.dst}"
         case Pad():
             return f"{op.src} -> {op.dst}  (+{op.dst.numel - op.src.numel} zeros)"
+        case CopyIn():
+            n, world = len(op.layout.params), op.layout.world
+            return f"{op.src} -> {op.dst}  ({n} parameter(s)' chunks rank-major over {world}, padded)"
         case Divide():
             return f"{op.buffer.name} /= {op.factor:g}"
         case ReduceScatter():
@@ -97,9 +101,10 @@ def _header(plan: Plan) -> list[str]:
     geometry = (
         f"shard {s.shard_size} x replicate {s.replicate_size}" if s.strategy.is_hybrid else f"world {s.shard_size}"
     )
+    unit = "per-parameter unit" if r.per_param else "flat parameter"
     lines = [
         f"post-backward plan: {s.strategy.name}, {geometry}, rank {s.rank}",
-        f"  flat parameter: {r.layout.total_numel} elements in {len(r.layout.params)} parameter(s), "
+        f"  {unit}: {r.layout.total_numel} elements in {len(r.layout.params)} parameter(s), "
         f"padded {s.padded_numel(r.layout)}, shard {s.shard_numel(r.layout)}",
         f"  dtypes: param {_dtype(r.layout.dtype)}, compute {_dtype(r.compute_dtype)}, "
         f"reduce {_dtype(r.reduce_dtype)}, optimizer grad {_dtype(r.grad_dtype)}",
@@ -151,6 +156,12 @@ def _op_json(op: Op) -> dict[str, JsonValue]:
             pass
         case Cast() | Pad():
             out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst))
+        case CopyIn():
+            params: list[JsonValue] = [
+                {"name": q.name, "shape": list(q.shape), "shard_dim": q.shard_dim} for q in op.layout.params
+            ]
+            layout: dict[str, JsonValue] = {"world": op.layout.world, "params": params}
+            out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst), layout=layout)
         case Divide():
             out.update(buffer=_buffer_json(op.buffer), factor=op.factor)
         case ReduceScatter():
@@ -227,6 +238,7 @@ def plan_to_json(plan: Plan, problems: list[Problem] | None = None) -> dict[str,
         "shard_size": r.sharding.shard_size,
         "replicate_size": r.sharding.replicate_size,
         "rank": r.sharding.rank,
+        "layout": "per_param" if r.per_param else "flat",
         "numel": r.layout.total_numel,
         "padded_numel": r.sharding.padded_numel(r.layout),
         "shard_numel": r.sharding.shard_numel(r.layout),

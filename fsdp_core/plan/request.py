@@ -1,4 +1,9 @@
-"""A planning request (every descriptor for one flat parameter and one backward) and the plan.
+"""A planning request (every descriptor for one unit and one backward) and the plan.
+
+A unit is one flat parameter (the FSDP1 API, ``FlatParamLayout``) or one ``fully_shard`` group of
+parameters sharded each on its own (``PerParamLayout``). The request answers every question the
+planner, the verifier and the models ask of the layout (numels, dtypes, views), so none of them
+reads a layout's fields for itself.
 
 ``PlanRequest`` is the cache key: equal requests give equal plans. Cross-descriptor rules
 (which options combine) are checked in its ``__post_init__``, so an impossible combination
@@ -19,6 +24,7 @@ from fsdp_core.plan.ops import (
     Buffer,
     Cast,
     CommHookCall,
+    CopyIn,
     Destination,
     Divide,
     EndOfBackwardWait,
@@ -44,16 +50,21 @@ from fsdp_core.spec.config import (
     StepFlags,
 )
 from fsdp_core.spec.division import DivideFactors, Division
-from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
+from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec, ShardView, unsharded_views
+from fsdp_core.spec.per_param import PerParamLayout
 
 __all__ = ["Plan", "PlanRequest"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanRequest:
-    """Everything the post-backward of one flat parameter depends on, for one backward."""
+    """Everything the post-backward of one unit depends on, for one backward.
 
-    layout: FlatParamLayout
+    ``reshard_after_backward`` is ``fully_shard``'s setting (``set_reshard_after_backward``; None
+    means True there); a flat parameter's strategy decides it, so it must stay None with a
+    ``FlatParamLayout``."""
+
+    layout: FlatParamLayout | PerParamLayout
     sharding: ShardingSpec
     mixed_precision: MixedPrecision = MixedPrecision()
     offload: CPUOffload = CPUOffload()
@@ -62,9 +73,17 @@ class PlanRequest:
     use_orig_params: bool = False
     flags: StepFlags = StepFlags()
     hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC
+    reshard_after_backward: bool | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if isinstance(self.layout, PerParamLayout):
+            _check_per_param(self, self.layout)
+        elif self.reshard_after_backward is not None:
+            raise ValueError(
+                "reshard_after_backward: a flat parameter reshards as its sharding strategy says; "
+                "only a per-parameter (fully_shard) unit takes it, so leave it None"
+            )
         strategy = self.sharding.strategy
         flags = self.flags
         if self.hybrid_all_reduce is HybridAllReduce.SYNC and not strategy.is_hybrid:
@@ -134,6 +153,35 @@ class PlanRequest:
                 assert_never(group)
 
     @property
+    def per_param(self) -> bool:
+        """Whether the unit is a ``fully_shard`` group of parameters (else one flat parameter)."""
+        return isinstance(self.layout, PerParamLayout)
+
+    @property
+    def pending_dtype(self) -> torch.dtype:
+        """The dtype unsharded gradients accumulate in across backwards without reduction: the
+        compute dtype for a flat parameter (FSDP1), the reduce dtype for a per-parameter unit
+        (FSDP2's ``unsharded_accumulated_grad``)."""
+        return self.reduce_dtype if self.per_param else self.compute_dtype
+
+    @property
+    def exposes_views(self) -> bool:
+        """Whether the final gradient is exposed as the original parameters' ``.grad`` views: with
+        ``use_orig_params``, and always for a per-parameter unit (its parameters are the original
+        ones)."""
+        return self.use_orig_params or self.per_param
+
+    def shard_views(self) -> tuple[ShardView, ...]:
+        """Where each parameter's gradient lies in the reduced gradient this rank keeps."""
+        if self.sharding.strategy.is_sharded:
+            return self.sharding.shard_views(self.layout)
+        return unsharded_views(self.layout)
+
+    def unsharded_views(self) -> tuple[ShardView, ...]:
+        """Where each parameter's gradient lies in the unsharded gradient (inside ``no_sync``)."""
+        return unsharded_views(self.layout)
+
+    @property
     def should_free_in_backward(self) -> bool:
         """FSDP1's ``_should_free_in_backward``: sharded strategies free the unsharded parameter in
         the post-backward, except ZeRO-2 strategies inside ``no_sync``, which keep it to avoid
@@ -147,13 +195,15 @@ class PlanRequest:
     def reshards_after_backward(self) -> bool:
         """Whether the unsharded parameter is freed by the end of this backward (by the plan when
         ``should_free_in_backward``, else at the end of backward):
-        ``ShardingStrategy.reshards_after_backward``."""
+        ``ShardingStrategy.reshards_after_backward``; a per-parameter unit's plan decides alone."""
+        if self.per_param:
+            return self.should_free_in_backward
         return self.sharding.strategy.reshards_after_backward(self.flags.sync_gradients)
 
 
 def _check_types(request: PlanRequest) -> None:
-    expected: tuple[tuple[str, type], ...] = (
-        ("layout", FlatParamLayout),
+    expected: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+        ("layout", (FlatParamLayout, PerParamLayout)),
         ("sharding", ShardingSpec),
         ("mixed_precision", MixedPrecision),
         ("offload", CPUOffload),
@@ -162,11 +212,41 @@ def _check_types(request: PlanRequest) -> None:
         ("use_orig_params", bool),
         ("flags", StepFlags),
         ("hybrid_all_reduce", HybridAllReduce),
+        ("reshard_after_backward", (bool, type(None))),
     )
     for name, kind in expected:
         value = getattr(request, name)
         if not isinstance(value, kind):
-            raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise TypeError(f"{name}: expected {names}, got {type(value).__name__}")
+
+
+def _check_per_param(r: PlanRequest, layout: PerParamLayout) -> None:
+    """What a per-parameter (``fully_shard``) unit cannot combine with, named by argument."""
+    strategy = r.sharding.strategy
+    if not strategy.is_sharded:
+        raise ValueError(
+            "sharding.strategy: a per-parameter unit is sharded over its mesh's shard dimension "
+            "(FULL_SHARD, SHARD_GRAD_OP, or HYBRID_SHARD[_ZERO2] on a 2-D mesh); a shard group of "
+            "one rank is FULL_SHARD with shard_size=1, not NO_SHARD"
+        )
+    if layout.world != r.sharding.shard_size:
+        raise ValueError(
+            f"layout.world: the layout is sharded over {layout.world} ranks but the shard group has "
+            f"{r.sharding.shard_size}; build both from the same mesh"
+        )
+    refused = (
+        ("comm_hook", r.comm_hook is not CommHook.NONE, "fully_shard has no FSDP1 comm hooks"),
+        ("use_orig_params", r.use_orig_params, "a per-parameter unit's parameters are the original ones"),
+        (
+            "mixed_precision.keep_low_precision_grads",
+            r.mixed_precision.keep_low_precision_grads,
+            "fully_shard casts reduced gradients to the parameters' dtype",
+        ),
+    )
+    for name, bad, why in refused:
+        if bad:
+            raise ValueError(f"{name}: {why}; leave it at its default for a PerParamLayout")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -234,7 +314,7 @@ def buffers_of(op: Op) -> tuple[Buffer, ...]:
     match op:
         case Input() | RecordStream() | Free() | Divide() | AllReduce() | GradViews() | HandOff():
             return (op.buffer,)
-        case Cast() | Pad() | ReduceScatter() | CommHookCall() | Accumulate() | Offload():
+        case Cast() | Pad() | CopyIn() | ReduceScatter() | CommHookCall() | Accumulate() | Offload():
             return (op.src,) if op.src == op.dst else (op.src, op.dst)
         case WaitStream() | EndOfBackwardWait() | FreeUnshardedParam():
             return ()

@@ -35,6 +35,7 @@ from fsdp_core.plan.ops import (
     AllReduce,
     Cast,
     CommHookCall,
+    CopyIn,
     Divide,
     EndOfBackwardWait,
     Free,
@@ -182,7 +183,7 @@ def _step(
                     f"carried: the plan takes a {op.role.value} gradient, but only "
                     f"{sorted(r.value for r in carried) or 'none'} is carried"
                 )
-        case Cast():
+        case Cast() | CopyIn():
             held[op.dst.name] = held[op.src.name].cast(op.src.dtype, op.dst.dtype)
         case Pad():
             held[op.dst.name] = held[op.src.name]

@@ -24,6 +24,7 @@ from fsdp_core.plan.ops import (
     Buffer,
     Cast,
     CommHookCall,
+    CopyIn,
     Destination,
     Device,
     Divide,
@@ -47,7 +48,7 @@ from fsdp_core.plan.ops import (
 from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.problems import Problem, Rule
 from fsdp_core.spec.division import ReduceKind, ReduceOpSpec
-from fsdp_core.spec.layout import ShardView, unsharded_views
+from fsdp_core.spec.layout import ShardView
 
 __all__ = ["check_plan", "expected_destination"]
 
@@ -119,7 +120,7 @@ def _expect(r: PlanRequest) -> _Expect:
     f = r.flags
     dest = expected_destination(r)
     total = r.layout.total_numel
-    shard = -(-total // r.sharding.num_shards)
+    shard = r.sharding.shard_numel(r.layout)
     compute = (
         r.layout.dtype
         if (f.force_full_precision or r.mixed_precision.param_dtype is None)
@@ -128,7 +129,7 @@ def _expect(r: PlanRequest) -> _Expect:
     reshards = r.should_free_in_backward
     buffers: dict[InputRole, tuple[int, torch.dtype, Device]] = {
         InputRole.GRAD: (total, compute, Device.DEVICE),
-        InputRole.PENDING_UNSHARDED: (total, compute, Device.DEVICE),
+        InputRole.PENDING_UNSHARDED: (total, r.pending_dtype, Device.DEVICE),
         InputRole.PENDING_PARTIAL: (shard, r.reduce_dtype, Device.DEVICE),
     }
     inputs = {InputRole.GRAD}
@@ -136,13 +137,13 @@ def _expect(r: PlanRequest) -> _Expect:
         inputs.add(InputRole.PENDING_UNSHARDED)
     match dest:
         case Destination.UNSHARDED_GRAD:
-            views = unsharded_views(r.layout) if r.use_orig_params else None
+            views = r.unsharded_views() if r.exposes_views else None
             return _Expect(
                 dest,
                 Counter(),
                 Coverage.FULL,
                 total,
-                compute,
+                r.pending_dtype,
                 Device.DEVICE,
                 1.0,
                 frozenset(inputs),
@@ -186,7 +187,7 @@ def _expect_reduced(
     """What a plan that hands off a reduced gradient (sharded, accumulated or offloaded) must do."""
     strategy = r.sharding.strategy
     total = r.layout.total_numel
-    shard = -(-total // r.sharding.num_shards)
+    shard = r.sharding.shard_numel(r.layout)
     groups = Counter({Group.SHARD: 1})
     if strategy.is_hybrid:
         groups[Group.REPLICATE] = 1
@@ -196,9 +197,7 @@ def _expect_reduced(
         float(r.sharding.shard_size * r.sharding.replicate_size) if r.division.factor is None else r.division.factor
     )
     device = Device.HOST if r.offload.offload_params else Device.DEVICE
-    views = None
-    if r.use_orig_params:
-        views = r.sharding.shard_views(r.layout) if strategy.is_sharded else unsharded_views(r.layout)
+    views = r.shard_views() if r.exposes_views else None
     buffers[InputRole.SHARDED_GRAD] = (numel, r.grad_dtype, device)
     return _Expect(dest, groups, coverage, numel, r.grad_dtype, device, divisor, inputs, views, buffers, reshards)
 
@@ -347,6 +346,8 @@ class _Checker:
                 self.op_derive(op.src, op.dst, op.stream, same_numel=True, same_dtype=False)
             case Pad():
                 self.op_pad(op)
+            case CopyIn():
+                self.op_copy_in(op)
             case Divide():
                 self.op_divide(op)
             case ReduceScatter():
@@ -443,6 +444,19 @@ class _Checker:
             self.report(Rule.NUMEL_MISMATCH, f"pad shrinks {op.src} to {op.dst}")
         self.op_derive(op.src, op.dst, op.stream, same_numel=False, same_dtype=True)
 
+    def op_copy_in(self, op: CopyIn) -> None:
+        """A per-parameter copy-in reads every unsharded gradient and writes the padded
+        rank-major reduce-scatter input (it may cast)."""
+        if op.layout != self.request.layout:
+            self.report(Rule.NUMEL_MISMATCH, "copy_in lays the gradients out by another unit's layout")
+        if op.src.numel != op.layout.total_numel or op.dst.numel != op.layout.padded_numel:
+            self.report(
+                Rule.NUMEL_MISMATCH,
+                f"copy_in {op.src} -> {op.dst}: the layout takes {op.layout.total_numel} elements "
+                f"into {op.layout.padded_numel}",
+            )
+        self.op_derive(op.src, op.dst, op.stream, same_numel=False, same_dtype=False)
+
     def op_divide(self, op: Divide) -> None:
         ev = self.tick(op.stream)
         if not (math.isfinite(op.factor) and op.factor > 0):
@@ -522,7 +536,11 @@ class _Checker:
         ev = self.tick(op.stream)
         src = self.read(op.src, ev)
         dst = self.write_in_place(op.dst, ev)
-        if op.src.dtype != op.dst.dtype:
+        r = self.request
+        # the one widening accumulation: a per-parameter unit's unsharded gradients into their
+        # reduce-dtype accumulation (``PlanRequest.pending_dtype``)
+        widening = op.src.dtype == r.compute_dtype and op.dst.dtype == r.pending_dtype
+        if op.src.dtype != op.dst.dtype and not widening:
             self.report(Rule.DTYPE_MISMATCH, f"accumulate {op.src} into {op.dst}")
         if op.src.numel != op.dst.numel:
             self.report(Rule.NUMEL_MISMATCH, f"accumulate {op.src} into {op.dst}")

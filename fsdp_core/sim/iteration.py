@@ -62,6 +62,7 @@ from fsdp_core.plan.ops import (
     AllReduce,
     Cast,
     CommHookCall,
+    CopyIn,
     Divide,
     EndOfBackwardWait,
     Free,
@@ -247,7 +248,7 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                     else:
                         ms = given.reduce_scatter_ms(link) if scatter else given.all_reduce_ms(link)
                     on_stream(op.stream, activity, ms, op.group)
-                case Cast() | Pad() | Divide() | Accumulate():
+                case Cast() | Pad() | CopyIn() | Divide() | Accumulate():
                     elementwise(op.stream, model.cost.elementwise_seconds(elementwise_bytes(op)))
                 case Offload():
                     elementwise(op.stream, model.cost.host_copy_seconds(op.src.nbytes))

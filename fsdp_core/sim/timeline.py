@@ -22,6 +22,7 @@ from fsdp_core.plan.ops import (
     AllReduce,
     Cast,
     CommHookCall,
+    CopyIn,
     Divide,
     EndOfBackwardWait,
     Free,
@@ -70,7 +71,7 @@ def elementwise_bytes(op: Op) -> int:
     """Device memory an element-wise op reads and writes; 0 for ops that move no elements on the
     device (bookkeeping, waits, and the collectives and offloads, which are costed by their link)."""
     match op:
-        case Cast() | Pad():
+        case Cast() | Pad() | CopyIn():
             return op.src.nbytes + op.dst.nbytes
         case Divide():
             return 2 * op.buffer.nbytes
@@ -171,6 +172,7 @@ def simulate_timeline(
                 | FreeUnshardedParam()
                 | Cast()
                 | Pad()
+                | CopyIn()
                 | Divide()
                 | Accumulate()
                 | GradViews()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_core.spec.config import FLOAT_DTYPES
-from fsdp_core.spec.layout import ceil_div, check_unit_params
+from fsdp_core.spec.layout import ShardView, ceil_div, check_unit_params
 
 __all__ = ["PerParamLayout", "ShardedParam", "UnitDtypes", "unit_dtypes"]
 
@@ -133,9 +133,55 @@ class PerParamLayout:
         return cls(params=specs, dtype=dtype, world=world)
 
     @property
-    def total_numel(self) -> int:
+    def padded_numel(self) -> int:
         """The all-gather output and the reduce-scatter input: ``world`` slices."""
         return self.world * self.slice_numel
+
+    @property
+    def total_numel(self) -> int:
+        """The elements of the unit's unsharded gradients, laid end to end in parameter order (the
+        gradient a plan starts from, as ``FlatParamLayout.total_numel`` is the flat one's)."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def numel_without_padding(self) -> int:
+        """Sum of the parameters' numels (``total_numel``: the unit adds no alignment padding)."""
+        return self.total_numel
+
+    def shard_views(self, rank: int) -> tuple[ShardView, ...]:
+        """Where each parameter's shard lies in ``rank``'s slice: one view per parameter ``rank``
+        holds rows of (parameters it holds none of are absent). ``offset_in_param`` counts in the
+        parameter with its shard dimension's chunks stacked first, as the copy-in reads it, so a
+        rank's chunk is contiguous there for every shard dimension."""
+        out: list[ShardView] = []
+        for i, p in enumerate(self.params):
+            numel = self.rows(i, rank) * p.row_numel
+            if numel:
+                start = rank * self.chunk_rows[i] * p.row_numel
+                out.append(
+                    ShardView(
+                        param_index=i,
+                        param_name=p.name,
+                        offset_in_buffer=self.shard_offsets[i],
+                        offset_in_param=start,
+                        numel=numel,
+                    )
+                )
+        return tuple(out)
+
+    def unsharded_views(self) -> tuple[ShardView, ...]:
+        """Each parameter's whole gradient in the unsharded gradients laid end to end."""
+        out: list[ShardView] = []
+        offset = 0
+        for i, p in enumerate(self.params):
+            if p.numel:
+                out.append(
+                    ShardView(
+                        param_index=i, param_name=p.name, offset_in_buffer=offset, offset_in_param=0, numel=p.numel
+                    )
+                )
+            offset += p.numel
+        return tuple(out)
 
     def rows(self, index: int, rank: int) -> int:
         """Rows of parameter ``index`` that ``rank`` holds (``torch.chunk``'s: the last ranks'

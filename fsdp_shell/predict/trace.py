@@ -28,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from fsdp_core import Event, HookEvent, MixedPrecision, PlanRequest
+from fsdp_core import Event, FlatParamLayout, HookEvent, MixedPrecision, PlanRequest
 from fsdp_core.memory.activation_trace import ActivationTrace, Mark, TracePoint
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.memory.live import Window
@@ -309,6 +309,8 @@ def _hooked(
             rec.point(HookEvent(Event.PRE_FORWARD, index))
         args, kwargs = cast_inputs(mp, args, kwargs, has_params=flat is not None, is_root=is_root)
         if flat is not None and request is not None:
+            if not isinstance(request.layout, FlatParamLayout):
+                raise TypeError("the trace runs the FSDP1 API's units; a per-parameter unit has no flat parameter")
             for p, view in zip(unit.params, split_views(flat, request.layout)):
                 for m, attr in p.slots():
                     setattr(m, attr, view)

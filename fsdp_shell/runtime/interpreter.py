@@ -6,6 +6,11 @@ a process group, of the ``PlanOwner`` (the unit's flat parameter) for what chang
 parameter or its ``.grad``, or of its own buffer table for inputs and frees. Where and when the
 work happens is the runtime's business; the interpreter knows no device. A run binds each input
 as its ``Input`` op comes and holds a buffer only until the plan frees it.
+
+A buffer is bound to one tensor, except a per-parameter unit's unsharded gradients: one tensor
+per parameter (``Grads``), as autograd leaves them. The ops that touch those (the copy-in, casts
+and accumulation inside ``no_sync``, records, frees, hand-off) work part by part; the rest take
+one tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from fsdp_core import (
     Buffer,
     Cast,
     CommHookCall,
+    CopyIn,
     Divide,
     EndOfBackwardWait,
     Free,
@@ -40,8 +46,26 @@ from fsdp_core import (
     WaitStream,
 )
 from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.units.per_param import copy_in_grads
 
-__all__ = ["CommHookFn", "PlanOwner", "PlanRun"]
+__all__ = ["CommHookFn", "Grads", "PlanOwner", "PlanRun", "one_tensor", "parts"]
+
+Grads = torch.Tensor | tuple[torch.Tensor, ...]
+"""What a plan buffer is bound to: one tensor, or a per-parameter unit's unsharded gradients (one
+tensor per parameter, in the layout's order)."""
+
+
+def parts(value: Grads) -> tuple[torch.Tensor, ...]:
+    """The tensors ``value`` is made of (itself alone when it is one tensor)."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def one_tensor(value: Grads, what: str) -> torch.Tensor:
+    """``value`` when it is one tensor; a flat parameter's buffers and every reduced gradient are."""
+    if isinstance(value, tuple):
+        raise TypeError(f"{what}: expected one tensor, got a per-parameter unit's {len(value)} gradients")
+    return value
+
 
 CommHookFn = Callable[[torch.Tensor, torch.Tensor | None], None]
 """A bound comm hook: ``hook(grad, output)`` (``output`` None for in-place reduction)."""
@@ -55,13 +79,13 @@ class PlanOwner(Protocol):
     def free_unsharded(self) -> None:
         """Reshard: free the unsharded flat parameter."""
 
-    def expose_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
+    def expose_views(self, grad: Grads, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at ``views`` of ``grad``."""
 
-    def take_carried(self, role: InputRole) -> torch.Tensor:
+    def take_carried(self, role: InputRole) -> Grads:
         """The carried gradient under ``role``, given up to the run (no longer held by the owner)."""
 
-    def hand_off(self, plan: Plan, grad: torch.Tensor) -> None:
+    def hand_off(self, plan: Plan, grad: Grads) -> None:
         """Take the gradient ``plan`` hands off."""
 
     def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -82,15 +106,15 @@ class PlanRun:
         plan: Plan,
         runtime: Runtime,
         owner: PlanOwner,
-        grad: torch.Tensor,
+        grad: Grads,
         comm_hook: CommHookFn | None = None,
     ) -> None:
         self.plan = plan
         self._runtime = runtime
         self._owner = owner
-        self._grad: torch.Tensor | None = grad
+        self._grad: Grads | None = grad
         self._comm_hook = comm_hook
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, Grads] = {}
         self._index = 0
         self.done = False
         """Whether every op has run (the gradient is handed off)."""
@@ -113,11 +137,14 @@ class PlanRun:
             self._step(op)
         self.done = True
 
-    def _tensor(self, b: Buffer) -> torch.Tensor:
+    def _bound(self, b: Buffer) -> Grads:
         try:
             return self._buffers[b.name]
         except KeyError:
             raise RuntimeError(f"plan buffer {b.name} is not live") from None
+
+    def _tensor(self, b: Buffer) -> torch.Tensor:
+        return one_tensor(self._bound(b), f"plan buffer {b.name}")
 
     def _step(self, op: Op) -> None:
         rt = self._runtime
@@ -137,19 +164,20 @@ class PlanRun:
             case EndOfBackwardWait():
                 rt.end_of_backward(op.stream, op.waits_for)
             case RecordStream():
-                rt.record_stream(self._tensor(op.buffer), op.stream)
+                for t in parts(self._bound(op.buffer)):
+                    rt.record_stream(t, op.stream)
             case Free():
                 # the runtime takes the memory back, unless the same tensor lives on under another
                 # buffer's name (on the CPU an offload's host buffer is the device buffer itself)
-                t = self._buffers.pop(op.buffer.name, None)
-                if t is not None and not any(other is t for other in self._buffers.values()):
-                    rt.free(t)
+                gone = self._buffers.pop(op.buffer.name, None)
+                kept = [t for other in self._buffers.values() for t in parts(other)]
+                for t in () if gone is None else parts(gone):
+                    if not any(other is t for other in kept):
+                        rt.free(t)
             case FreeUnshardedParam():
                 self._owner.free_unsharded()
             case Cast():
-                src = self._tensor(op.src)
-                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
-                rt.compute(op.stream, partial(dst.copy_, src), (src, dst))
+                self._cast(op)
             case Pad():
                 src = self._tensor(op.src)
                 dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
@@ -159,6 +187,11 @@ class PlanRun:
                     dst[src.numel() :].zero_()
 
                 rt.compute(op.stream, pad, (src, dst))
+            case CopyIn():
+                grads = parts(self._bound(op.src))
+                device = grads[0].device
+                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, device, op.stream)
+                rt.compute(op.stream, partial(copy_in_grads, op.layout, grads, dst), (*grads, dst))
             case Divide():
                 t, factor = self._tensor(op.buffer), op.factor
                 rt.compute(op.stream, partial(t.div_, factor), (t,))
@@ -171,19 +204,27 @@ class PlanRun:
             case CommHookCall():
                 self._hook_call(op)
             case Accumulate():
-                dst, src = self._tensor(op.dst), self._tensor(op.src)
-                rt.compute(op.stream, partial(dst.add_, src), (dst, src))
+                dsts, srcs = parts(self._bound(op.dst)), parts(self._bound(op.src))
+                rt.compute(op.stream, partial(torch._foreach_add_, list(dsts), list(srcs)), (*dsts, *srcs))
             case Offload():
                 self._offload(op)
             case GradViews():
-                grad, views = self._tensor(op.buffer), op.views
-                rt.on_host(partial(self._owner.expose_views, grad, views), (grad,))
+                grad, views = self._bound(op.buffer), op.views
+                rt.on_host(partial(self._owner.expose_views, grad, views), parts(grad))
             case HandOff():
-                grad, plan = self._tensor(op.buffer), self.plan
+                grad, plan = self._bound(op.buffer), self.plan
                 del self._buffers[op.buffer.name]
-                rt.on_host(partial(self._owner.hand_off, plan, grad), (grad,))
+                rt.on_host(partial(self._owner.hand_off, plan, grad), parts(grad))
             case _:
                 assert_never(op)
+
+    def _cast(self, op: Cast) -> None:
+        """``dst = src.to(dst.dtype)``, part by part: each new part in its source's shape."""
+        src, rt = self._bound(op.src), self._runtime
+        srcs = parts(src)
+        dsts = tuple(rt.empty(t.numel(), op.dst.dtype, t.device, op.stream).view(t.shape) for t in srcs)
+        self._buffers[op.dst.name] = dsts if isinstance(src, tuple) else dsts[0]
+        rt.compute(op.stream, partial(torch._foreach_copy_, list(dsts), list(srcs)), (*srcs, *dsts))
 
     def _hook_call(self, op: CommHookCall) -> None:
         hook = self._comm_hook

@@ -26,6 +26,7 @@ from fsdp_core import (
     Group,
     Input,
     InputRole,
+    PerParamLayout,
     Plan,
     PlanRequest,
     ShardView,
@@ -40,7 +41,7 @@ from fsdp_shell.runtime.inprocess import (
     WorldAborted,
     WorldGeometry,
 )
-from fsdp_shell.runtime.interpreter import CommHookFn, PlanRun
+from fsdp_shell.runtime.interpreter import CommHookFn, Grads, PlanRun, parts
 
 __all__ = [
     "HOOKS",
@@ -102,7 +103,7 @@ HOOKS: Mapping[CommHook, Callable[..., None]] = {
 class _Owner:
     """One rank's ``PlanOwner``: gives the run its carried inputs and keeps what it hands back."""
 
-    def __init__(self, rank: int, carried: Mapping[InputRole, Tensor]) -> None:
+    def __init__(self, rank: int, carried: Mapping[InputRole, Grads]) -> None:
         self._rank = rank
         self._carried = dict(carried)
         self.freed = False
@@ -114,23 +115,30 @@ class _Owner:
             raise SimulationError(f"rank {self._rank}: the unsharded parameter is freed twice")
         self.freed = True
 
-    def expose_views(self, grad: Tensor, views: tuple[ShardView, ...]) -> None:
+    def expose_views(self, value: Grads, views: tuple[ShardView, ...]) -> None:
+        grad = _end_to_end(value)
         for v in views:
             if v.offset_in_buffer < 0 or v.offset_in_buffer + v.numel > grad.numel():
                 raise SimulationError(f"rank {self._rank}: the view of {v.param_name} lies outside its buffer")
             tensor = grad.narrow(0, v.offset_in_buffer, v.numel)
             self.views.append(GradView(param_name=v.param_name, offset_in_param=v.offset_in_param, tensor=tensor))
 
-    def take_carried(self, role: InputRole) -> Tensor:
+    def take_carried(self, role: InputRole) -> Grads:
         return self._carried.pop(role)
 
-    def hand_off(self, plan: Plan, grad: Tensor) -> None:
+    def hand_off(self, plan: Plan, value: Grads) -> None:
         if self.handed is not None or plan.hand_off is None:
             raise SimulationError(f"rank {self._rank}: a hand-off the plan does not declare once")
-        self.handed = (plan.hand_off.buffer, grad, plan.hand_off.destination)
+        self.handed = (plan.hand_off.buffer, _end_to_end(value), plan.hand_off.destination)
 
     def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype)
+
+
+def _end_to_end(value: Grads) -> Tensor:
+    """One tensor: a per-parameter unit's unsharded gradients flattened and laid end to end (a
+    copy), as the plan's buffer declares them."""
+    return torch.cat([t.reshape(-1) for t in parts(value)]) if isinstance(value, tuple) else value
 
 
 # -- the world's run -------------------------------------------------------------------------
@@ -194,7 +202,8 @@ def simulate(
 
     Every sequence is indexed by global rank and must have one tensor per rank of the world
     (``request.sharding.data_parallel_size``). ``grads[g]`` is rank ``g``'s unsharded flat
-    gradient (``layout.total_numel`` elements of the compute dtype); ``pending_unsharded``,
+    gradient (``layout.total_numel`` elements of the compute dtype; for a per-parameter unit its
+    parameters' gradients flattened end to end, which the run receives one tensor per parameter); ``pending_unsharded``,
     ``sharded_grads`` and ``partials`` feed the plan's ``PENDING_UNSHARDED``, ``SHARDED_GRAD`` and
     ``PENDING_PARTIAL`` inputs and must be given exactly when the plan takes them. Each input
     tensor must match its declared buffer in numel and dtype; it is copied, never modified.
@@ -247,9 +256,11 @@ def simulate(
     return WorldResult(request=request, geometry=geometry, ranks=tuple(r for r in ranks if r is not None))
 
 
-def _inputs(rank: int, plan: Plan, inputs: Mapping[InputRole, Sequence[Tensor]]) -> dict[InputRole, Tensor]:
-    """Rank ``rank``'s copy of each input ``plan`` takes, checked against its declared buffer."""
-    out: dict[InputRole, Tensor] = {}
+def _inputs(rank: int, plan: Plan, inputs: Mapping[InputRole, Sequence[Tensor]]) -> dict[InputRole, Grads]:
+    """Rank ``rank``'s copy of each input ``plan`` takes, checked against its declared buffer: a
+    per-parameter unit's unsharded gradients as one tensor per parameter, in its shape."""
+    out: dict[InputRole, Grads] = {}
+    layout = plan.request.layout
     for op in plan.ops:
         if not isinstance(op, Input):
             continue
@@ -262,7 +273,13 @@ def _inputs(rank: int, plan: Plan, inputs: Mapping[InputRole, Sequence[Tensor]])
                 f"rank {rank}: {op.role.value} input has {given.numel()} elements of {given.dtype}, "
                 f"the plan declares {op.buffer}"
             )
-        out[op.role] = given.detach().to("cpu").reshape(-1).clone()
+        copied = given.detach().to("cpu").reshape(-1).clone()
+        unsharded = op.role in (InputRole.GRAD, InputRole.PENDING_UNSHARDED)
+        if isinstance(layout, PerParamLayout) and unsharded:
+            pieces = torch.split(copied, [p.numel for p in layout.params])
+            out[op.role] = tuple(t.clone().view(p.shape) for t, p in zip(pieces, layout.params))
+        else:
+            out[op.role] = copied
     unused = sorted(role.value for role in set(inputs) - set(out))
     if unused:
         raise SimulationError(f"inputs supplied but never taken by the plan: {', '.join(unused)}")
@@ -273,7 +290,7 @@ def _run_rank(
     world: InProcessWorld,
     rank: int,
     plan: Plan,
-    inputs: dict[InputRole, Tensor],
+    inputs: dict[InputRole, Grads],
     hooks: Mapping[CommHook, Callable[..., None]],
 ) -> RankResult:
     """Rank ``rank``'s plan under the interpreter, on the calling thread."""

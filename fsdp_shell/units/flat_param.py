@@ -22,6 +22,7 @@ from torch import nn
 
 from fsdp_core import FlatParamLayout, InputRole, PlanRequest, ShardingSpec, ShardView
 from fsdp_shell.runtime.collectives import Pending, all_gather_flat, any_rank
+from fsdp_shell.runtime.interpreter import Grads, one_tensor
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.carried import CarriedGrads, set_grad
 from fsdp_shell.units.gather_limit import GatherLimiter
@@ -113,6 +114,8 @@ class FlatParamHandle:
         self.request = base_request
         """The unit's plan request without this step's flags (``FSDP.set_gradient_divide_factor``
         and ``register_comm_hook`` replace it)."""
+        if not isinstance(base_request.layout, FlatParamLayout):
+            raise TypeError("base_request.layout: a flat parameter's handle needs a FlatParamLayout")
         self.layout: FlatParamLayout = base_request.layout
         self.sharding: ShardingSpec = base_request.sharding
         self.shard_group = shard_group
@@ -296,9 +299,10 @@ class FlatParamHandle:
         self.flat_param.grad = None
         return g
 
-    def expose_views(self, grad: torch.Tensor, views: tuple[ShardView, ...]) -> None:
+    def expose_views(self, value: Grads, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at their slices of ``grad`` (None where this
         rank holds none of a parameter); unsharded views take the parameter's shape."""
+        grad = one_tensor(value, "a flat parameter's gradient")
         by_index = {v.param_index: v for v in views}
         shaped = not self.is_sharded or views != self._shard_view_list
         for index, orig in enumerate(self.orig_params):

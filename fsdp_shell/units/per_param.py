@@ -38,12 +38,12 @@ def padded_shard(layout: PerParamLayout, index: int, full: torch.Tensor, rank: i
 
 def copy_in(layout: PerParamLayout, shards: Sequence[torch.Tensor], out: torch.Tensor, rank: int) -> torch.Tensor:
     """Copy every parameter's padded shard (``shards``, in parameter order) into ``rank``'s slice
-    of ``out``, the all-gather output (``layout.total_numel`` elements); returns that slice, the
+    of ``out``, the all-gather output (``layout.padded_numel`` elements); returns that slice, the
     all-gather's input, so the all-gather runs in place."""
     if len(shards) != len(layout.params):
         raise ValueError(f"shards: expected one per parameter ({len(layout.params)}), got {len(shards)}")
-    if out.numel() != layout.total_numel:
-        raise ValueError(f"out: expected {layout.total_numel} elements (world x slice), got {out.numel()}")
+    if out.numel() != layout.padded_numel:
+        raise ValueError(f"out: expected {layout.padded_numel} elements (world x slice), got {out.numel()}")
     mine = out.narrow(0, rank * layout.slice_numel, layout.slice_numel)
     torch._foreach_copy_(  # one kernel launch for the unit, as FSDP2's copy-in
         list(torch.split(mine, list(layout.padded_shard_numel))), [s.reshape(-1) for s in shards]
@@ -57,8 +57,8 @@ def copy_out(layout: PerParamLayout, gathered: torch.Tensor) -> list[torch.Tenso
     dimension 0 (for a parameter sharded on dimension 0, its padded unsharded tensor; the
     returned value is a view of it without the padding rows)."""
     world = layout.world
-    if gathered.numel() != layout.total_numel:
-        raise ValueError(f"gathered: expected {layout.total_numel} elements (world x slice), got {gathered.numel()}")
+    if gathered.numel() != layout.padded_numel:
+        raise ValueError(f"gathered: expected {layout.padded_numel} elements (world x slice), got {gathered.numel()}")
     stacked = []
     for i in range(len(layout.params)):
         shape = layout.padded_sharded_shape(i)
@@ -81,8 +81,8 @@ def copy_in_grads(layout: PerParamLayout, grads: Sequence[torch.Tensor], out: to
     dimension 0)."""
     if len(grads) != len(layout.params):
         raise ValueError(f"grads: expected one per parameter ({len(layout.params)}), got {len(grads)}")
-    if out.numel() != layout.total_numel:
-        raise ValueError(f"out: expected {layout.total_numel} elements (world x slice), got {out.numel()}")
+    if out.numel() != layout.padded_numel:
+        raise ValueError(f"out: expected {layout.padded_numel} elements (world x slice), got {out.numel()}")
     world = layout.world
     stacked = []
     for p, g in zip(layout.params, grads):

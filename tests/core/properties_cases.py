@@ -3,7 +3,9 @@
 The strategies draw layouts (one huge parameter, or several with and without alignment), world
 sizes 1..1024 (hybrid: a divisor of the world as shard size), every strategy, and every
 combination of mixed precision, offload, ``use_orig_params``, comm hook, division and step flags
-that the constructors accept (``requests``), or any combination at all (``raw_configs``). ``CI``
+that the constructors accept (``requests``), or any combination at all (``raw_configs``). One
+request in four is a per-parameter (``fully_shard``) unit's (``per_param_layouts``): every
+sharded strategy, shard dimensions other than 0 where they divide, ``reshard_after_backward``. ``CI``
 and ``LIGHT`` are the properties' hypothesis budgets.
 """
 
@@ -25,6 +27,7 @@ from fsdp_core import (
     FlatParamLayout,
     HybridAllReduce,
     MixedPrecision,
+    PerParamLayout,
     Plan,
     PlanRequest,
     ShardingSpec,
@@ -76,6 +79,22 @@ def layouts(draw: st.DrawFn) -> FlatParamLayout:
     )
 
 
+@st.composite
+def per_param_layouts(draw: st.DrawFn, world: int) -> PerParamLayout:
+    """Up to 6 parameters of 1 to 3 dimensions (sizes 0..40, or one of up to 1e5 rows), each
+    sharded on dimension 0 or, where its size there divides over ``world``, another one."""
+    dtype = draw(dtypes)
+    entries: list[tuple[str, tuple[int, ...], int]] = []
+    for i in range(draw(st.integers(min_value=1, max_value=6))):
+        shape = draw(st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=3).map(tuple) | shapes)
+        if not shape:
+            shape = (1,)
+        dims = [0, *(d for d in range(1, len(shape)) if shape[d] % world == 0)]
+        entries.append((f"layer{i}.p", shape, draw(st.sampled_from(dims))))
+    assume(any(math.prod(s) > 0 for _, s, _ in entries))
+    return PerParamLayout.of(entries, dtype, world)
+
+
 world_sizes = st.sampled_from([1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024]) | st.integers(
     min_value=1, max_value=1024
 )
@@ -123,6 +142,8 @@ flag_values = st.tuples(*(weighted(FLAG_WEIGHTS[name]) for name in FLAG_NAMES))
 def requests(draw: st.DrawFn) -> PlanRequest:
     """A valid request: every drawn combination is mapped onto one the constructors accept,
     so every valid combination stays reachable."""
+    if draw(weighted(5)):
+        return draw(per_param_requests())
     layout = draw(layouts())
     sharding = draw(shardings())
     strategy = sharding.strategy
@@ -155,6 +176,32 @@ def requests(draw: st.DrawFn) -> PlanRequest:
     )
     assume(not hits_hybrid_hook_premul_bug(request))
     return request
+
+
+@st.composite
+def per_param_requests(draw: st.DrawFn) -> PlanRequest:
+    """A valid per-parameter (``fully_shard``) request: a sharded strategy, the layout sharded
+    over its shard group, no comm hook, ``use_orig_params`` or low-precision gradients (refused
+    there), ``reshard_after_backward`` any."""
+    sharding = draw(shardings(draw(st.sampled_from([s for s in ShardingStrategy if s.is_sharded]))))
+    mp = draw(mixed_precisions.map(lambda m: MixedPrecision(param_dtype=m.param_dtype, reduce_dtype=m.reduce_dtype)))
+    f = dict(zip(FLAG_NAMES, draw(flag_values)))
+    if not sharding.strategy.is_hybrid:
+        f["requires_all_reduce"] = True
+        f["pending_partial"] = False
+    division = Division(policy=draw(st.sampled_from(DivisionPolicy)), backend=draw(backends), factor=draw(user_factors))
+    return PlanRequest(
+        layout=draw(per_param_layouts(sharding.shard_size)),
+        sharding=sharding,
+        mixed_precision=mp,
+        offload=CPUOffload(offload_params=draw(st.booleans())),
+        division=division,
+        flags=StepFlags(**f),
+        hybrid_all_reduce=draw(st.sampled_from(HybridAllReduce))
+        if sharding.strategy.is_hybrid
+        else HybridAllReduce.ASYNC,
+        reshard_after_backward=draw(st.none() | st.booleans()),
+    )
 
 
 def hits_hybrid_hook_premul_bug(r: PlanRequest) -> bool:

@@ -23,7 +23,7 @@ def test_a_linear_on_two_ranks_by_hand() -> None:
     assert layout.chunk_rows == (5, 5)
     assert layout.padded_shard_numel == (50, 5)
     assert layout.shard_offsets == (0, 50)
-    assert (layout.slice_numel, layout.total_numel) == (55, 110)
+    assert (layout.slice_numel, layout.padded_numel) == (55, 110)
     assert [layout.rows(0, r) for r in range(2)] == [5, 4]
     assert layout.sharded_shape(0, 1) == (4, 10)
     assert layout.padded_sharded_shape(0) == (5, 10)
@@ -120,7 +120,7 @@ def test_copy_in_then_copy_out_gives_every_parameter_back(shapes: list[tuple[int
     values = [
         torch.arange(1, 1 + torch.Size(s).numel(), dtype=torch.float64).view(s) + 100 * i for i, s in enumerate(shapes)
     ]
-    buffer = torch.zeros(layout.total_numel, dtype=torch.float64)
+    buffer = torch.zeros(layout.padded_numel, dtype=torch.float64)
     for i, v in enumerate(values):
         padded = torch.zeros(layout.padded_unsharded_shape(i), dtype=torch.float64)
         padded[: v.size(0)] = v

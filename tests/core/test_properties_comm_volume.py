@@ -12,6 +12,7 @@ from fsdp_core import (
     CommHook,
     FlatParamLayout,
     Group,
+    PerParamLayout,
     PlanRequest,
     ShardingSpec,
     ShardingStrategy,
@@ -57,7 +58,9 @@ def expected_collectives(r: PlanRequest) -> list[Expected]:
     wire = r.comm_hook.wire_dtype or reduce_dtype
     if r.sharding.strategy is ShardingStrategy.NO_SHARD:
         return [("all_reduce", Group.SHARD, g, total, wire, ring_all_reduce(g, total, wire))]
-    chunk = cdiv(total, g)
+    # a flat parameter is split evenly; a per-parameter unit's rank sends its slice (each
+    # parameter's padded chunk)
+    chunk = r.layout.slice_numel if isinstance(r.layout, PerParamLayout) else cdiv(total, g)
     out: list[Expected]
     if r.comm_hook is CommHook.ALLREDUCE:
         out = [("all_reduce", Group.SHARD, g, chunk * g, wire, ring_all_reduce(g, chunk * g, wire))]

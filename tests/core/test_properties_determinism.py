@@ -8,7 +8,7 @@ import dataclasses
 
 from hypothesis import given
 
-from fsdp_core import FlatParamLayout, ParamSpec, PlanCache, PlanRequest, build_plan
+from fsdp_core import FlatParamLayout, ParamSpec, PerParamLayout, PlanCache, PlanRequest, ShardedParam, build_plan
 from tests.core.properties_cases import LIGHT, requests
 
 # -- (f) determinism and caching -----------------------------------------------------------
@@ -16,11 +16,20 @@ from tests.core.properties_cases import LIGHT, requests
 
 def rebuilt(r: PlanRequest) -> PlanRequest:
     """An equal request made of freshly constructed descriptors."""
-    layout = FlatParamLayout(
-        params=tuple(ParamSpec(name=p.name, shape=tuple(p.shape)) for p in r.layout.params),
-        dtype=r.layout.dtype,
-        alignment_numel=r.layout.alignment_numel,
-    )
+    old = r.layout
+    layout: FlatParamLayout | PerParamLayout
+    if isinstance(old, FlatParamLayout):
+        layout = FlatParamLayout(
+            params=tuple(ParamSpec(name=p.name, shape=tuple(p.shape)) for p in old.params),
+            dtype=old.dtype,
+            alignment_numel=old.alignment_numel,
+        )
+    else:
+        layout = PerParamLayout(
+            params=tuple(ShardedParam(name=p.name, shape=tuple(p.shape), shard_dim=p.shard_dim) for p in old.params),
+            dtype=old.dtype,
+            world=old.world,
+        )
     return dataclasses.replace(
         r,
         layout=layout,

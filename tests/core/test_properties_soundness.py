@@ -49,7 +49,7 @@ def test_any_combination_either_plans_soundly_or_is_refused_naming_the_argument(
 def test_grad_views_are_exposed_on_compute_right_before_the_hand_off(request: PlanRequest) -> None:
     plan = build_plan(request)
     views = [i for i, op in enumerate(plan.ops) if isinstance(op, GradViews)]
-    if not request.use_orig_params or expected_destination(request) is Destination.PARTIAL:
+    if not request.exposes_views or expected_destination(request) is Destination.PARTIAL:
         assert views == []
         return
     *_, v, h = plan.ops

@@ -27,6 +27,7 @@ from fsdp_core import (
     Buffer,
     FlatParamLayout,
     Op,
+    PerParamLayout,
     Plan,
     PlanRequest,
     ReduceOpSpec,
@@ -52,6 +53,8 @@ def _dummy(name: str, hint: Any) -> object:
         return next(iter(hint))
     if hint is ReduceOpSpec:
         return ReduceOpSpec()
+    if hint is PerParamLayout:
+        return PerParamLayout.of([("w", (NUMEL,))], torch.float32, 2)
     if hint is torch.dtype:
         return torch.float32
     if hint is bool:

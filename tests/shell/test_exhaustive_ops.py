@@ -65,6 +65,7 @@ def test_buffers_of_each_kind() -> None:
         "FreeUnshardedParam": (),
         "Cast": ("src", "dst"),
         "Pad": ("src", "dst"),
+        "CopyIn": ("src", "dst"),
         "Divide": ("buffer",),
         "ReduceScatter": ("src", "dst"),
         "AllReduce": ("buffer",),
@@ -123,6 +124,7 @@ SECONDS = {
     # accumulate reads src, reads and writes dst.
     "Cast": 64.0,
     "Pad": 64.0,
+    "CopyIn": 64.0,
     "Divide": 64.0,
     "Accumulate": 96.0,
     # 32 bytes to the host at 4 B/s.

@@ -22,7 +22,7 @@ def test_a_padded_shard_by_hand() -> None:
 def test_the_copy_in_lands_in_the_ranks_slice_by_hand() -> None:
     """Two parameters, 2 ranks: rank 1's slice starts at 3 + 1 = 4 and holds its chunk of each."""
     layout = PerParamLayout.of([("w", (3,)), ("b", (2,))], torch.float32, 2)
-    out = torch.full((layout.total_numel,), -1.0)
+    out = torch.full((layout.padded_numel,), -1.0)
     mine = copy_in(layout, [torch.tensor([7.0, 0.0]), torch.tensor([8.0])], out, 1)
     assert out.tolist() == [-1.0, -1.0, -1.0, 7.0, 0.0, 8.0]
     assert mine.data_ptr() == out[3:].data_ptr()
@@ -34,7 +34,7 @@ def test_every_ranks_copy_in_then_the_copy_out_gives_the_parameters_back(world: 
     layout = PerParamLayout.of(specs, torch.float32, world)
     torch.manual_seed(world)
     full = [torch.randn(shape) for _, shape, _ in specs]
-    gathered = torch.full((layout.total_numel,), float("nan"))
+    gathered = torch.full((layout.padded_numel,), float("nan"))
     for rank in range(world):
         copy_in(layout, [padded_shard(layout, i, f, rank) for i, f in enumerate(full)], gathered, rank)
     assert not gathered.isnan().any(), "every element is some rank's"
@@ -65,9 +65,9 @@ def test_every_ranks_gradient_copy_in_summed_gives_each_rank_its_chunk_of_the_su
     layout = PerParamLayout.of(specs, torch.float32, world)
     torch.manual_seed(world)
     grads = [[torch.randn(shape).to(torch.bfloat16) for _, shape, _ in specs] for _ in range(world)]
-    total = torch.zeros(layout.total_numel)
+    total = torch.zeros(layout.padded_numel)
     for rank in range(world):
-        mine = torch.full((layout.total_numel,), float("nan"))
+        mine = torch.full((layout.padded_numel,), float("nan"))
         copy_in_grads(layout, grads[rank], mine)
         total += mine
     summed = [torch.zeros(shape) for _, shape, _ in specs]

@@ -53,7 +53,7 @@ def gathered_like_fsdp2(rank: int, world: int, arg: None) -> list[str]:
     layout = PerParamLayout.of(
         [(n, tuple(p._orig_size), p.fsdp_placement.dim) for n, p in zip(names, params)], torch.float32, world
     )
-    gathered = torch.empty(layout.total_numel)
+    gathered = torch.empty(layout.padded_numel)
     shards = [p._sharded_param_data.view(layout.padded_sharded_shape(i)) for i, p in enumerate(params)]
     mine = copy_in(layout, shards, gathered, rank)
     world_group = dist.group.WORLD
@@ -92,7 +92,7 @@ def reduced_like_fsdp2(rank: int, world: int, arg: None) -> list[str]:
         [(n, tuple(p._orig_size), p.fsdp_placement.dim) for n, p in zip(names, params)], torch.float32, world
     )
     grads = dict(plain.named_parameters())
-    full = torch.empty(layout.total_numel)
+    full = torch.empty(layout.padded_numel)
     copy_in_grads(layout, [grads[n].grad for n in names], full)  # type: ignore[misc]  # every parameter has a gradient
     reduced = torch.empty(layout.slice_numel)
     world_group = dist.group.WORLD
