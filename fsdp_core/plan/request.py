@@ -186,7 +186,11 @@ class PlanRequest:
         """FSDP1's ``_should_free_in_backward``: sharded strategies free the unsharded parameter in
         the post-backward, except ZeRO-2 strategies inside ``no_sync``, which keep it to avoid
         all-gathering again in the next accumulation step. ``NO_SHARD`` with a compute dtype of
-        its own frees its low-precision copy in every post-backward (FSDP1's ``post_reshard``)."""
+        its own frees its low-precision copy in every post-backward (FSDP1's ``post_reshard``).
+        A per-parameter unit frees it as ``reshard_after_backward`` says (FSDP2: True unless set
+        otherwise, inside ``no_sync`` too)."""
+        if self.per_param:
+            return self.reshard_after_backward is not False
         return self.sharding.strategy.plan_reshards(
             low_precision=self.compute_dtype != self.layout.dtype, sync_gradients=self.flags.sync_gradients
         )
