@@ -13,6 +13,8 @@ interpreter (``fsdp_shell.runtime``). The folders, one concern each:
 - ``state``: state dicts, optimizer state dicts, crash-safe checkpoints;
 - ``safety``: the ranks' agreement before the first collective, the event sequencer for
   divergent paths, timeouts turned into errors that say where;
+- ``fsdp2``: ``fully_shard`` and ``FSDPModule``, PyTorch's FSDP2 API, on the same plans,
+  interpreter and runtimes;
 - ``cli``: ``fsdp-plan``, ``fsdp-sim`` (neither imports the wrapper) and the local launcher;
   ``cluster``: an emulated two-node cluster on one machine (network namespaces, as root);
   ``demo``: ``fsdp-demo``.
@@ -30,16 +32,20 @@ from fsdp_core import CPUOffload, MixedPrecision, ShardingStrategy
 
 if TYPE_CHECKING:
     from fsdp_shell.fsdp import FSDP, FullyShardedDataParallel
+    from fsdp_shell.fsdp2.api import FSDPModule, fully_shard, register_fsdp_forward_method
     from fsdp_shell.state.state_dict import StateDictSettings, StateDictType
 
 __all__ = [
     "FSDP",
     "CPUOffload",
+    "FSDPModule",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardingStrategy",
     "StateDictSettings",
     "StateDictType",
+    "fully_shard",
+    "register_fsdp_forward_method",
 ]
 
 _LAZY = {
@@ -47,6 +53,9 @@ _LAZY = {
     "FullyShardedDataParallel": "fsdp_shell.fsdp",
     "StateDictSettings": "fsdp_shell.state.state_dict",
     "StateDictType": "fsdp_shell.state.state_dict",
+    "FSDPModule": "fsdp_shell.fsdp2.api",
+    "fully_shard": "fsdp_shell.fsdp2.api",
+    "register_fsdp_forward_method": "fsdp_shell.fsdp2.api",
 }
 
 

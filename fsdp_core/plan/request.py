@@ -167,9 +167,10 @@ class PlanRequest:
     @property
     def exposes_views(self) -> bool:
         """Whether the final gradient is exposed as the original parameters' ``.grad`` views: with
-        ``use_orig_params``, and always for a per-parameter unit (its parameters are the original
-        ones)."""
-        return self.use_orig_params or self.per_param
+        ``use_orig_params``, and for a per-parameter unit whenever it reduces (its parameters are
+        the original ones; inside ``no_sync`` FSDP2 leaves their ``.grad`` as it was and keeps
+        the unsharded gradients to itself)."""
+        return self.use_orig_params or (self.per_param and self.flags.sync_gradients)
 
     def shard_views(self) -> tuple[ShardView, ...]:
         """Where each parameter's gradient lies in the reduced gradient this rank keeps."""

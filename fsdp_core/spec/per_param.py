@@ -216,6 +216,13 @@ class PerParamLayout:
         d = p.shard_dim
         return (*p.shape[:d], self.world * self.chunk_rows[index], *p.shape[d + 1 :])
 
+    def gathered_shape(self, index: int) -> tuple[int, ...]:
+        """The shape parameter ``index`` is copied out of the all-gather in: its ``world`` padded
+        shards stacked on dimension 0 (for a parameter sharded on dimension 0, its padded
+        unsharded shape)."""
+        shape = self.padded_sharded_shape(index)
+        return (self.world * shape[0], *shape[1:])
+
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world:
             raise ValueError(f"rank: expected 0 <= rank < {self.world}, got {rank!r}")

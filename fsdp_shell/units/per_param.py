@@ -18,7 +18,15 @@ import torch
 
 from fsdp_core import PerParamLayout
 
-__all__ = ["copy_in", "copy_in_grads", "copy_out", "padded_shard", "sharded_grads"]
+__all__ = [
+    "copy_in",
+    "copy_in_grads",
+    "copy_out",
+    "copy_out_into",
+    "padded_shard",
+    "sharded_grads",
+    "unsharded_of",
+]
 
 
 def padded_shard(layout: PerParamLayout, index: int, full: torch.Tensor, rank: int) -> torch.Tensor:
@@ -53,24 +61,31 @@ def copy_in(layout: PerParamLayout, shards: Sequence[torch.Tensor], out: torch.T
 
 def copy_out(layout: PerParamLayout, gathered: torch.Tensor) -> list[torch.Tensor]:
     """Every parameter's whole value from the gathered buffer, in parameter order: tensors of the
-    parameters' shapes. Each is copied out first as its ``world`` padded chunks stacked on
-    dimension 0 (for a parameter sharded on dimension 0, its padded unsharded tensor; the
-    returned value is a view of it without the padding rows)."""
+    parameters' shapes, copied out into new buffers (``copy_out_into``)."""
+    stacked = [gathered.new_empty(layout.gathered_shape(i)) for i in range(len(layout.params))]
+    copy_out_into(layout, gathered, stacked)
+    return [unsharded_of(layout, i, t) for i, t in enumerate(stacked)]
+
+
+def copy_out_into(layout: PerParamLayout, gathered: torch.Tensor, stacked: Sequence[torch.Tensor]) -> None:
+    """Copy every parameter's ``world`` padded chunks out of the gathered buffer into ``stacked``
+    (one tensor per parameter, of ``layout.gathered_shape``), in one
+    ``torch.split_with_sizes_copy`` as FSDP2's copy-out."""
     world = layout.world
     if gathered.numel() != layout.padded_numel:
         raise ValueError(f"gathered: expected {layout.padded_numel} elements (world x slice), got {gathered.numel()}")
-    stacked = []
-    for i in range(len(layout.params)):
-        shape = layout.padded_sharded_shape(i)
-        stacked.append(gathered.new_empty((world * shape[0], *shape[1:])))
     torch.split_with_sizes_copy(
         gathered.view(world, -1), list(layout.padded_shard_numel), dim=1, out=[t.view(world, -1) for t in stacked]
     )
-    out = []
-    for p, chunks in zip(layout.params, stacked):
-        whole = chunks if p.shard_dim == 0 else torch.cat(chunks.chunk(world, dim=0), dim=p.shard_dim)
-        out.append(whole.narrow(p.shard_dim, 0, p.rows))
-    return out
+
+
+def unsharded_of(layout: PerParamLayout, index: int, stacked: torch.Tensor) -> torch.Tensor:
+    """Parameter ``index``'s whole value from its stacked chunks: for a parameter sharded on
+    dimension 0 a view of them without the padding rows; for another dimension the chunks
+    concatenated along it (a new tensor, as in FSDP2)."""
+    p = layout.params[index]
+    whole = stacked if p.shard_dim == 0 else torch.cat(stacked.chunk(layout.world, dim=0), dim=p.shard_dim)
+    return whole.narrow(p.shard_dim, 0, p.rows)
 
 
 def copy_in_grads(layout: PerParamLayout, grads: Sequence[torch.Tensor], out: torch.Tensor) -> None:

@@ -1,0 +1,346 @@
+"""``fully_shard`` and ``FSDPModule``: PyTorch's FSDP2 API (torch 2.13's names, arguments and
+objects) on this library's plans.
+
+``fully_shard(module)`` shards the parameters the module manages (its own and its
+descendants', except those under a module ``fully_shard`` was applied to before, and
+``ignored_params``) as one per-parameter unit (``fsdp_shell.fsdp2.group``), hooks the module's
+forward (``fsdp_shell.fsdp2.state``), and changes its class to ``FSDP<Class>``, an
+``FSDPModule``. What is not supported is refused at the call, naming the argument or method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_core import PerParamLayout, ShardedParam, unit_dtypes
+from fsdp_shell.fsdp2.group import ParamGroup, Slot
+from fsdp_shell.fsdp2.state import FSDPState, lazy_init, state_of
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+_CLASSES: dict[type, type] = {}
+_NO_MIXED_PRECISION = MixedPrecisionPolicy()
+_NO_OFFLOAD = OffloadPolicy()
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+    offload_policy: OffloadPolicy = _NO_OFFLOAD,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shard ``module``'s parameters over ``mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP)
+    as PyTorch's ``fully_shard`` does, and return it, its class now ``FSDP<Class>``."""
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"module: expected an nn.Module or a non-empty list of them, got {module!r}")
+    for m in modules:
+        if state_of(m) is not None:
+            raise ValueError(f"module: fully_shard was already applied to {type(m).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed.init_process_group() first")
+    mesh = _mesh(mesh)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            "reshard_after_forward: an int (resharding to a smaller group after forward, ZeRO++ hpZ) is "
+            "not supported by fsdp_shell's fully_shard yet; pass True, False or None"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward: expected None, a bool or an int, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy: expected torch.distributed.fsdp.MixedPrecisionPolicy, got {mp_policy!r}")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("offload_policy: CPUOffloadPolicy is not supported by fsdp_shell's fully_shard yet")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy: expected torch.distributed.fsdp.OffloadPolicy, got {offload_policy!r}")
+    ignored = set() if ignored_params is None else set(ignored_params)
+    params, slots, names = _managed(modules, ignored)
+    group = None
+    if params:
+        group = _group(params, slots, names, mesh, shard_placement_fn, mp_policy)
+    state = FSDPState(modules, group, mesh, mp_policy)
+    state.change(reshard_after_forward=reshard_after_forward)
+    for m in modules:
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        backend = str(dist.get_backend()).lower()
+        device_type = (
+            "cpu" if backend == "gloo" else (torch.accelerator.current_accelerator() or torch.device("cpu")).type
+        )
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh: expected a DeviceMesh, got {mesh!r}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) DeviceMesh, got {mesh.ndim}-D")
+    return mesh
+
+
+def _device_type() -> str:
+    """The default mesh's device: the CPU under gloo, else the current accelerator."""
+    if str(dist.get_backend()).lower() == "gloo":
+        return "cpu"
+    accelerator = torch.accelerator.current_accelerator()  # pragma: no cover  (needs an accelerator)
+    return "cpu" if accelerator is None else accelerator.type  # pragma: no cover
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())  # pragma: no cover
+
+
+def _managed(
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+) -> tuple[list[nn.Parameter], list[list[Slot]], list[str]]:
+    """The parameters ``fully_shard(modules)`` manages, in FSDP2's order (modules in post-order,
+    each one's own parameters), where each is registered, and its name under the given module."""
+    roots = set(map(id, modules))
+    seen: set[int] = set()
+    order: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if id(m) not in roots and state_of(m) is not None:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            if id(child) not in seen:
+                visit(child)
+        order.append(m)
+
+    for m in modules:
+        visit(m)
+    names_of: dict[int, str] = {}
+    for k, m in enumerate(modules):
+        prefix = f"{k}." if len(modules) > 1 else ""
+        for name, p in m.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), prefix + name)
+    params: list[nn.Parameter] = []
+    slots: list[list[Slot]] = []
+    index: dict[int, int] = {}
+    for m in order:
+        for name, maybe in list(m._parameters.items()):
+            if maybe is None or maybe in ignored:
+                continue
+            p = maybe
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"module: parameter {names_of.get(id(p), name)!r} is already a DTensor (tensor "
+                    "parallelism); fully_shard on a (dp, tp) mesh is not supported by fsdp_shell yet"
+                )
+            if id(p) not in index:
+                index[id(p)] = len(params)
+                params.append(p)
+                slots.append([])
+            slots[index[id(p)]].append((m, name))
+    return params, slots, [names_of.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def _group(
+    params: list[nn.Parameter],
+    slots: list[list[Slot]],
+    names: list[str],
+    mesh: DeviceMesh,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mp: MixedPrecisionPolicy,
+) -> ParamGroup:
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"module: the parameters of one fully_shard call must share one dtype, got {sorted(map(str, dtypes))}; "
+            "shard the modules of each dtype with their own call"
+        )
+    specs = []
+    for p, name in zip(params, names):
+        dim = 0
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(p)
+            if placement is not None:
+                if not isinstance(placement, Shard):
+                    raise TypeError(f"shard_placement_fn: expected Shard(dim) or None for {name!r}, got {placement!r}")
+                dim = placement.dim % max(p.dim(), 1)
+        specs.append(ShardedParam(name=name, shape=tuple(p.shape), shard_dim=dim))
+    world = mesh.size(mesh.ndim - 1)
+    layout = PerParamLayout(params=tuple(specs), dtype=params[0].dtype, world=world)
+    device = (
+        torch.device("cpu")
+        if mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    )
+    return ParamGroup(
+        params, slots, layout, unit_dtypes(params[0].dtype, mp.param_dtype, mp.reduce_dtype), mesh, device
+    )
+
+
+def _fsdp_class(cls: type) -> type:
+    if issubclass(cls, FSDPModule):
+        return cls
+    made = _CLASSES.get(cls)
+    if made is None:
+        made = _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return made
+
+
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` until the parameters are
+    gathered (here they are by the time it returns)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class FSDPModule:
+    """The methods a module gets from ``fully_shard``, with FSDP2's names and meaning."""
+
+    def _state(self) -> FSDPState:
+        state = state_of(cast(nn.Module, self))
+        if state is None:
+            raise RuntimeError("this FSDPModule has no fully_shard state")
+        return state
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._state()]
+        out: list[FSDPState] = []
+        for m in cast(nn.Module, self).modules():
+            s = state_of(m)
+            if s is not None and s not in out:
+                out.append(s)
+        return out
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather the module's parameters (the module then holds the unsharded ones)."""
+        state = self._state()
+        ctx = lazy_init(state)
+        if state.group is not None:
+            state.group.unshard(ctx.runtime(state.mesh))
+            state.group.use_unsharded()
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Free the module's unsharded parameters (not recursive)."""
+        group = self._state().group
+        if group is not None:
+            group.free_unsharded()
+            group.use_sharded()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether backward reduces gradients (False: accumulate unsharded, FSDP2's ``no_sync``)."""
+        _bool("requires_gradient_sync", requires_gradient_sync)
+        for s in self._states(recurse):
+            s.change(requires_gradient_sync=requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces across replicas (False: keep the partial reduction)."""
+        _bool("requires_all_reduce", requires_all_reduce)
+        for s in self._states(recurse):
+            s.change(requires_all_reduce=requires_all_reduce)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        _bool("reshard_after_forward", reshard_after_forward)
+        for s in self._states(recurse):
+            s.change(reshard_after_forward=reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        _bool("reshard_after_backward", reshard_after_backward)
+        for s in self._states(recurse):
+            s.change(reshard_after_backward=reshard_after_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the reduced gradient's sum by ``factor`` instead of the data-parallel size."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"factor: expected a number > 0, got {factor!r}")
+        self._state().change(gradient_divide_factor=float(factor))
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with ``SUM`` only and divide outside the collectives."""
+        _bool("enable", enable)
+        self._state().change(force_sum_reduction_for_comms=enable)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted: every backward here finishes its reductions by its end, which is what
+        ``is_last_backward=True`` asks of FSDP2; False lets FSDP2 defer that wait, with the same
+        gradients."""
+        _bool("is_last_backward", is_last_backward)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """True is what this library always does (a unit that got any gradient reduces zeros for
+        its unused parameters, so every rank's collectives pair); False is refused."""
+        _bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        if not reduce_scatter_unused_params:
+            raise NotImplementedError(
+                "set_reduce_scatter_unused_params: False (leave unused parameters out of a rank's "
+                "reduce-scatter, which pairs the ranks' collectives wrongly when they differ, PyTorch issue "
+                "158719) is not supported; fsdp_shell reduces them as zeros"
+            )
+
+    def reset_iter_state(self) -> None:
+        """Drop the iteration in progress after an exception aborted it (on the root)."""
+        state = self._state()
+        if state.ctx is not None:
+            from fsdp_shell.fsdp2.state import abandon_backward
+
+            abandon_backward(state.ctx)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> NoReturn:
+        _unsupported("set_modules_to_forward_prefetch", "explicit prefetching")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> NoReturn:
+        _unsupported("set_modules_to_backward_prefetch", "explicit prefetching")
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object = None) -> NoReturn:
+        _unsupported("set_all_reduce_hook", "an all-reduce hook")
+
+    def set_post_optim_event(self, event: object) -> NoReturn:
+        _unsupported("set_post_optim_event", "a post-optimizer event (accelerator streams)")
+
+    def set_custom_all_gather(self, comm: object) -> NoReturn:
+        _unsupported("set_custom_all_gather", "custom collectives")
+
+    def set_custom_reduce_scatter(self, comm: object) -> NoReturn:
+        _unsupported("set_custom_reduce_scatter", "custom collectives")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> NoReturn:
+        _unsupported("set_unshard_in_backward", "skipping the backward all-gather")
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+
+
+def _unsupported(method: str, what: str) -> NoReturn:
+    raise NotImplementedError(f"FSDPModule.{method}: {what} is not supported by fsdp_shell's fully_shard yet")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` with the module's pre- and post-forward hooks around it (for
+    methods other than ``forward``, such as Hugging Face's ``generate``), as FSDP2's function does."""
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"module: expected a module fully_shard was applied to, got {type(module).__name__}")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"method_name: {type(module).__name__} has no method {method_name!r}")
+    from fsdp_shell.fsdp2.state import _post_forward, _pre_forward
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _pre_forward(state, module, args, kwargs)
+        return _post_forward(state, module, args, kwargs, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)

@@ -1,0 +1,248 @@
+"""One ``fully_shard`` call's parameters (a per-parameter unit): sharded as PyTorch's FSDP2 shards
+them, gathered and freed, and the ``PlanOwner`` the interpreter hands their gradients to.
+
+Each parameter becomes a ``DTensor`` ``nn.Parameter`` (``Shard(dim)`` on a 1-D mesh,
+``(Replicate(), Shard(dim))`` on a 2-D one) whose local tensor is a view of the rank's padded
+shard, so the optimizer updates the memory the all-gather copies in. Each parameter also has one
+persistent unsharded ``nn.Parameter`` whose memory is allocated when the unit is gathered and
+freed when it reshards (so autograd's saved references to it see the data again when it is
+gathered for backward), and which the module holds while it runs.
+
+Where the numbers come from: the layouts are ``fsdp_core.PerParamLayout``s (one of every
+parameter for the all-gather, one of those that take gradients for the reduce-scatter), the
+tensors move as ``fsdp_shell.units.per_param`` moves them, and the post-backward is the plan
+the planner builds for the reduce layout, run by the interpreter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from fsdp_core import InputRole, PerParamLayout, Plan, ShardView, UnitDtypes
+from fsdp_shell.runtime.interpreter import Grads, one_tensor
+from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.units.per_param import copy_in, copy_out_into, padded_shard
+
+__all__ = ["ParamGroup", "Slot"]
+
+Slot = tuple[nn.Module, str]
+"""Where a parameter is registered: ``module._parameters[name]``."""
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call, sharded over ``mesh``'s last dimension."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        slots: Sequence[Sequence[Slot]],
+        layout: PerParamLayout,
+        dtypes: UnitDtypes,
+        mesh: DeviceMesh,
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.dtypes = dtypes
+        self.mesh = mesh
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.device = device
+        self._slots = [tuple(s) for s in slots]
+        self.grad_index = tuple(i for i, p in enumerate(params) if p.requires_grad)
+        """The parameters that take gradients, in layout order: the reduce layout's."""
+        self.reduce_layout: PerParamLayout | None = (
+            PerParamLayout(
+                params=tuple(layout.params[i] for i in self.grad_index), dtype=layout.dtype, world=layout.world
+            )
+            if self.grad_index
+            else None
+        )
+        self._padded: list[torch.Tensor] = []
+        self.sharded: list[nn.Parameter] = []
+        for i, p in enumerate(params):
+            with torch.no_grad():
+                padded = padded_shard(layout, i, p.detach().to(device), self.rank)
+            self._padded.append(padded)
+            spec = layout.params[i]
+            local = padded.narrow(spec.shard_dim, 0, layout.rows(i, self.rank))
+            self.sharded.append(nn.Parameter(self._dtensor(i, local), requires_grad=p.requires_grad))
+        self._stacked = [
+            torch.empty(layout.gathered_shape(i), dtype=dtypes.compute, device=device) for i in range(len(params))
+        ]
+        self.unsharded: list[nn.Parameter] = []
+        for i, (p, stacked) in enumerate(zip(params, self._stacked)):
+            spec = layout.params[i]
+            whole = (
+                stacked.narrow(0, 0, spec.rows)
+                if spec.shard_dim == 0
+                else torch.empty(spec.shape, dtype=dtypes.compute, device=device)
+            )
+            self.unsharded.append(nn.Parameter(whole, requires_grad=p.requires_grad))
+        for t in self._own_storages():
+            t.untyped_storage().resize_(0)
+        self.gathered = False
+        """Whether the unsharded parameters hold the gathered values."""
+        self.carried: dict[InputRole, Grads] = {}
+        """Gradient state carried between backwards, by the role the next plan takes it in."""
+        self._shown: list[torch.Tensor | None] = []
+        """The local tensors last shown as the sharded parameters' ``.grad`` (``expose_views``)."""
+        self.use_sharded()
+
+    # -- DTensors ---------------------------------------------------------------------------
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return tuple(self._placements(0))
+
+    def _placements(self, index: int) -> list[Placement]:
+        shard: Placement = Shard(self.layout.params[index].shard_dim)
+        return [Replicate(), shard] if self.mesh.ndim == 2 else [shard]
+
+    def _dtensor(self, index: int, local: torch.Tensor) -> DTensor:
+        spec = self.layout.params[index]
+        shape = torch.Size(spec.shape)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self.mesh, self._placements(index), run_check=False, shape=shape, stride=stride
+        )
+
+    # -- which tensors the modules hold ---------------------------------------------------
+
+    def use_sharded(self) -> None:
+        """The modules hold the sharded ``DTensor`` parameters (between iterations)."""
+        self._register(self.sharded)
+
+    def use_unsharded(self) -> None:
+        """The modules hold the unsharded parameters (while they run)."""
+        self._register(self.unsharded)
+
+    def _register(self, params: Sequence[nn.Parameter]) -> None:
+        for slots, p in zip(self._slots, params):
+            for module, name in slots:
+                module._parameters[name] = p
+
+    # -- gathering and freeing ------------------------------------------------------------------
+
+    def _own_storages(self) -> list[torch.Tensor]:
+        dim_other = [u for u, spec in zip(self.unsharded, self.layout.params) if spec.shard_dim != 0]
+        return [*self._stacked, *dim_other]
+
+    def unshard(self, runtime: Runtime) -> None:
+        """Gather every parameter into its unsharded tensor (no-op when gathered): the padded
+        shards copied into this rank's slice of one buffer (cast to the compute dtype), one
+        all-gather in place, the copy-out into the unsharded parameters' memory."""
+        if self.gathered:
+            return
+        for t in self._own_storages():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        layout = self.layout
+        gathered = torch.empty(layout.padded_numel, dtype=self.dtypes.compute, device=self.device)
+        with torch.no_grad():
+            mine = copy_in(layout, self._padded, gathered, self.rank)
+            pending = runtime.all_gather(gathered, mine)
+            if pending is not None:
+                pending.wait()
+            # into ``.data``: the unsharded parameters share the stacked tensors' version counter,
+            # and autograd's saved references to them must see the new values without a bump
+            copy_out_into(layout, gathered, [t.data for t in self._stacked])
+            for i, spec in enumerate(layout.params):
+                if spec.shard_dim != 0:
+                    chunks = self._stacked[i].chunk(layout.world, dim=0)
+                    self.unsharded[i].data.copy_(torch.cat(chunks, dim=spec.shard_dim))
+        self.gathered = True
+
+    def free_unsharded(self) -> None:
+        """Reshard: the unsharded parameters' memory goes back (``PlanOwner``)."""
+        if not self.gathered:
+            return
+        for t in self._own_storages():
+            t.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def take_grads(self) -> tuple[torch.Tensor, ...]:
+        """The unsharded gradients of the parameters that take them, in the reduce layout's order,
+        taken off the unsharded parameters; a zero gradient for one that got none this backward
+        (every rank reduces the same buffer whichever parameters its batch used)."""
+        out = []
+        for i in self.grad_index:
+            p = self.unsharded[i]
+            g = p.grad
+            p.grad = None
+            out.append(torch.zeros(p.shape, dtype=self.dtypes.compute, device=self.device) if g is None else g)
+        return tuple(out)
+
+    @property
+    def has_grads(self) -> bool:
+        """Whether any unsharded parameter got a gradient this backward."""
+        return any(self.unsharded[i].grad is not None for i in self.grad_index)
+
+    def reclaim(self) -> None:
+        """Reconcile the carried reduced gradient with the sharded parameters' ``.grad`` before a
+        backward reduces into it: all None (``zero_grad()``) drops it; gradients that are no
+        longer the views shown (assigned, or replaced) are copied into a new buffer, so a
+        ``.grad`` that exists is accumulated into as in FSDP2."""
+        layout = self.reduce_layout
+        if layout is None:
+            return
+        grads = [self.sharded[i].grad for i in self.grad_index]
+        if all(g is None for g in grads):
+            self.carried.pop(InputRole.SHARDED_GRAD, None)
+            return
+        held = self.carried.get(InputRole.SHARDED_GRAD)
+        locals_ = [None if g is None else _local(g) for g in grads]
+        if held is not None and all(
+            a is not None and b is not None and a.data_ptr() == b.data_ptr() for a, b in zip(locals_, self._shown)
+        ):
+            return
+        rebuilt = torch.zeros(layout.slice_numel, dtype=self.dtypes.orig, device=self.device)
+        for j, local in enumerate(locals_):
+            if local is not None and local.numel():
+                offset = layout.shard_offsets[j]
+                rebuilt.narrow(0, offset, local.numel()).copy_(local.reshape(-1))
+        self.carried[InputRole.SHARDED_GRAD] = rebuilt
+        self._show(rebuilt)
+
+    # -- PlanOwner ------------------------------------------------------------------------------
+
+    def expose_views(self, value: Grads, views: tuple[ShardView, ...]) -> None:
+        """The reduced gradient becomes the sharded parameters' ``.grad``: each a ``DTensor``
+        over its view of ``value`` (FSDP2's ``as_strided`` of the reduce output)."""
+        del views  # the plan's views are the reduce layout's, which ``_show`` reads
+        self._show(one_tensor(value, "a per-parameter unit's reduced gradient"))
+
+    def _show(self, reduced: torch.Tensor) -> None:
+        layout = self.reduce_layout
+        assert layout is not None
+        self._shown = []
+        for j, i in enumerate(self.grad_index):
+            rows = layout.rows(j, self.rank)
+            numel = rows * layout.params[j].row_numel
+            local = reduced.narrow(0, layout.shard_offsets[j], numel).view(layout.sharded_shape(j, self.rank))
+            with torch.no_grad():
+                self.sharded[i].grad = self._dtensor(i, local)
+            self._shown.append(local)
+
+    def take_carried(self, role: InputRole) -> Grads:
+        value = self.carried.pop(role, None)
+        if value is None:
+            raise RuntimeError(f"the plan takes a carried {role.value} gradient this unit does not hold")
+        return value
+
+    def hand_off(self, plan: Plan, value: Grads) -> None:
+        kept = {role: t for role, t in self.carried.items() if role not in plan.consumed}
+        if plan.carried_out is not None:
+            kept[plan.carried_out] = value
+        self.carried = kept
+
+    def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError("offload_policy: CPUOffloadPolicy is not supported by fsdp_shell's fully_shard yet")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,341 @@
+"""The state behind ``fully_shard``: one ``FSDPState`` per call, one ``RootContext`` per root, and
+the hooks of one iteration.
+
+- Forward (each module's pre- and post-forward hooks): the root's first forward builds the
+  context (every ``fully_shard`` state under it, the runtime, the verifying plan cache); every
+  module gathers its parameters, runs on the unsharded ones, reshards after forward as
+  ``reshard_after_forward`` says (by default every module but the root), and hooks its outputs.
+- Backward: a hook on those outputs gathers again where the forward resharded, and the first
+  queues the end of backward on the autograd engine. Once autograd has accumulated the gradient
+  of every unsharded parameter of a unit, the unit's post-backward plan (the planner's, for its
+  reduce layout and this step's flags) runs under the interpreter on the runtime.
+- End of backward: units whose gradients did not all arrive are reduced with zeros for the
+  missing ones (none of them arrived: not reduced, as in FSDP2), every plan's deferred ops run,
+  and the units reshard as ``reshard_after_backward`` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_map
+
+from fsdp_core import (
+    BackendCaps,
+    Division,
+    DivisionPolicy,
+    MixedPrecision,
+    PlanCache,
+    PlanRequest,
+    ShardingSpec,
+    ShardingStrategy,
+    step_flags,
+)
+from fsdp_shell.fsdp2.group import ParamGroup
+from fsdp_shell.runtime.collectives import CollectiveLog, Phase
+from fsdp_shell.runtime.device import make_runtime
+from fsdp_shell.runtime.groups import ProcessGroups
+from fsdp_shell.runtime.interpreter import PlanRun
+from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.units.forward_io import tensors_in
+
+__all__ = ["FSDPState", "RootContext", "Settings", "state_of"]
+
+STATE_ATTR = "_fsdp_shell_state"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What ``FSDPModule``'s setters change, for one ``fully_shard`` call (replaced whole)."""
+
+    reshard_after_forward: bool | None = None
+    """None: every module but the root reshards after forward (FSDP2's default)."""
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
+    gradient_divide_factor: float | None = None
+    force_sum_reduction_for_comms: bool = False
+
+
+@dataclass
+class _Iteration:
+    """One forward and backward of a root."""
+
+    backward_started: bool = False
+    prepared: set[int] = field(default_factory=set)
+    """States (by ``id``) gathered for this backward."""
+    reduced: set[int] = field(default_factory=set)
+    """States whose post-backward ran."""
+    arrived: dict[int, int] = field(default_factory=dict)
+    """Per state, how many of its parameters' gradients autograd has accumulated."""
+    runs: list[PlanRun] = field(default_factory=list)
+
+
+class FSDPState:
+    """One ``fully_shard`` call: its modules, its parameters (``group``; None without any), its
+    mixed-precision policy and settings."""
+
+    def __init__(
+        self, modules: tuple[nn.Module, ...], group: ParamGroup | None, mesh: DeviceMesh, mp: MixedPrecisionPolicy
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mesh = mesh
+        self.mp = mp
+        self.settings = Settings()
+        self.ctx: RootContext | None = None
+        self.is_root = False
+        if group is not None:
+            me = weakref.ref(self)
+            for i in group.grad_index:
+                group.unsharded[i].register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
+                    functools.partial(_arrived, me)
+                )
+        for module in modules:
+            module.__dict__[STATE_ATTR] = self
+            module.register_forward_pre_hook(functools.partial(_pre_forward, self), prepend=True, with_kwargs=True)
+            module.register_forward_hook(functools.partial(_post_forward, self), always_call=False, with_kwargs=True)
+
+    def change(self, **changes: Any) -> None:
+        """Replace the settings (``FSDPModule``'s setters)."""
+        self.settings = replace(self.settings, **changes)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        value = self.settings.reshard_after_forward
+        return (not self.is_root) if value is None else value
+
+    def request(self, flags_roles: frozenset[Any]) -> PlanRequest:
+        """The plan request of this unit's post-backward with the carried ``flags_roles``."""
+        group = self.group
+        assert group is not None and group.reduce_layout is not None and self.ctx is not None
+        s = self.settings
+        hybrid = self.mesh.ndim == 2
+        sharding = ShardingSpec(
+            strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD,
+            shard_size=group.layout.world,
+            replicate_size=self.mesh.size(0) if hybrid else 1,
+            rank=group.rank,
+        )
+        caps = BackendCaps() if s.force_sum_reduction_for_comms else self.ctx.groups(self.mesh).caps
+        flags = step_flags(
+            flags_roles, sync_gradients=s.requires_gradient_sync, requires_all_reduce=s.requires_all_reduce
+        )
+        return PlanRequest(
+            layout=group.reduce_layout,
+            sharding=sharding,
+            mixed_precision=MixedPrecision(param_dtype=self.mp.param_dtype, reduce_dtype=self.mp.reduce_dtype),
+            division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=caps, factor=s.gradient_divide_factor),
+            flags=flags,
+            reshard_after_backward=s.reshard_after_backward,
+        )
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The ``fully_shard`` state of ``module``, if it was given to ``fully_shard``."""
+    value = module.__dict__.get(STATE_ATTR)
+    return value if isinstance(value, FSDPState) else None
+
+
+class RootContext:
+    """What every ``fully_shard`` state under one root shares: the runtime and its collective log,
+    the verifying plan cache, and the iteration in progress."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
+        self.root = root
+        self.states = states
+        self.log = CollectiveLog()
+        self.plans = PlanCache(verify=True)
+        self.iteration = _Iteration()
+        self._runtimes: dict[int, tuple[ProcessGroups, Runtime]] = {}
+
+    def groups(self, mesh: DeviceMesh) -> ProcessGroups:
+        return self._entry(mesh)[0]
+
+    def runtime(self, mesh: DeviceMesh) -> Runtime:
+        return self._entry(mesh)[1]
+
+    def _entry(self, mesh: DeviceMesh) -> tuple[ProcessGroups, Runtime]:
+        entry = self._runtimes.get(id(mesh))
+        if entry is None:
+            if mesh.ndim == 1:
+                groups = ProcessGroups(shard=mesh.get_group(0), replicate=None)
+            else:
+                groups = ProcessGroups(shard=mesh.get_group(1), replicate=mesh.get_group(0))
+            device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else _current(mesh.device_type)
+            entry = self._runtimes[id(mesh)] = (groups, make_runtime(device, groups, self.log))
+        return entry
+
+    def runtimes(self) -> list[Runtime]:
+        return [r for _, r in self._runtimes.values()]
+
+
+def _current(device_type: str) -> torch.device:  # pragma: no cover  (needs an accelerator)
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
+# -- lazy initialization ------------------------------------------------------------------------
+
+
+def lazy_init(state: FSDPState) -> RootContext:
+    """The context of the root ``state``: every ``fully_shard`` state under its modules, built at
+    its first forward (a state already under another root stays there)."""
+    if state.ctx is not None:
+        return state.ctx
+    states: list[FSDPState] = []
+    for module in state.modules:
+        for m in module.modules():
+            s = state_of(m)
+            if s is not None and s not in states and s.ctx is None:
+                states.append(s)
+    ctx = RootContext(state, states)
+    for s in states:
+        s.ctx = ctx
+        s.is_root = s is state
+    return ctx
+
+
+# -- forward --------------------------------------------------------------------------------------
+
+
+def _cast(dtype: torch.dtype | None, tree: Any) -> Any:
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and torch.is_floating_point(x) else x, tree)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
+def _pre_forward(
+    state: FSDPState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    ctx = lazy_init(state)
+    if state.is_root:
+        _begin_iteration(ctx)
+    if state.mp.cast_forward_inputs:
+        args, kwargs = _cast(state.mp.param_dtype, (args, kwargs))
+    group = state.group
+    if group is not None:
+        with ctx.log.during(Phase.FORWARD):
+            group.unshard(ctx.runtime(state.mesh))
+        group.use_unsharded()
+    return args, kwargs
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
+def _post_forward(state: FSDPState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    group = state.group
+    if group is not None:
+        if state.reshards_after_forward:
+            group.free_unsharded()
+            group.use_sharded()
+        if torch.is_grad_enabled():
+            hook = functools.partial(_pre_backward, weakref.ref(state))
+            for t in tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
+    return _cast(state.mp.output_dtype, out)
+
+
+def _begin_iteration(ctx: RootContext) -> None:
+    """The root's forward: a backward that did not finish is dropped; work still in flight is
+    waited for."""
+    if ctx.iteration.backward_started:
+        abandon_backward(ctx)
+    for runtime in ctx.runtimes():
+        runtime.settle()
+
+
+# -- backward -----------------------------------------------------------------------------------
+
+
+def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torch.Tensor:
+    state = state_ref()
+    if state is None or state.ctx is None:
+        return grad
+    ctx, group = state.ctx, state.group
+    it = ctx.iteration
+    if not it.backward_started:
+        it.backward_started = True
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(end_of_backward, ctx))
+    if group is not None and id(state) not in it.prepared:
+        it.prepared.add(id(state))
+        with ctx.log.during(Phase.PRE_BACKWARD):
+            group.unshard(ctx.runtime(state.mesh))
+        group.use_unsharded()
+    return grad
+
+
+def _arrived(state_ref: weakref.ref[FSDPState], param: torch.Tensor) -> None:
+    """An unsharded parameter's gradient is accumulated; the last of the unit's runs its plan."""
+    state = state_ref()
+    if state is None or state.ctx is None or state.group is None:
+        return
+    it = state.ctx.iteration
+    n = it.arrived[id(state)] = it.arrived.get(id(state), 0) + 1
+    if n == len(state.group.grad_index):
+        post_backward(state)
+
+
+def post_backward(state: FSDPState) -> None:
+    """Reduce the unit's gradients: its plan for this step's flags, hook ops now."""
+    ctx, group = state.ctx, state.group
+    assert ctx is not None and group is not None
+    it = ctx.iteration
+    if id(state) in it.reduced:
+        return
+    it.reduced.add(id(state))
+    group.reclaim()
+    plan = ctx.plans(state.request(frozenset(group.carried)))
+    run = PlanRun(plan, ctx.runtime(state.mesh), group, group.take_grads())
+    group.use_sharded()
+    with ctx.log.during(Phase.POST_BACKWARD):
+        run.run_hook_ops()
+    it.runs.append(run)
+
+
+def end_of_backward(ctx: RootContext) -> None:
+    """Autograd's callback once backward is done: units with some gradients missing are reduced
+    now (zeros for the missing), every plan's deferred ops run, every unit reshards as
+    ``reshard_after_backward`` says."""
+    it = ctx.iteration
+    try:
+        for state in reversed(ctx.states):
+            group = state.group
+            if group is not None and id(state) not in it.reduced and group.has_grads:
+                post_backward(state)
+        with ctx.log.during(Phase.END_OF_BACKWARD):
+            for run in it.runs:
+                run.run_callback_ops()
+            for runtime in ctx.runtimes():
+                runtime.settle()
+    finally:
+        for state in ctx.states:
+            group = state.group
+            if group is None:
+                continue
+            if state.settings.reshard_after_backward:
+                group.free_unsharded()
+            group.use_sharded()
+        ctx.iteration = _Iteration()
+
+
+def abandon_backward(ctx: RootContext) -> None:
+    """The previous backward did not finish: its half-done work is dropped, every unit resharded."""
+    ctx.iteration = _Iteration()
+    for runtime in ctx.runtimes():
+        with contextlib.suppress(RuntimeError):
+            runtime.drain()
+    for state in ctx.states:
+        if state.group is not None:
+            for i in state.group.grad_index:
+                state.group.unsharded[i].grad = None
+            state.group.free_unsharded()
+            state.group.use_sharded()
