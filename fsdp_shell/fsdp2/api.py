@@ -11,7 +11,7 @@ forward (``fsdp_shell.fsdp2.state``), and changes its class to ``FSDP<Class>``, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,32 @@ _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
 
 
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+) -> list[FSDPModule]: ...
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -40,7 +66,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
     offload_policy: OffloadPolicy = _NO_OFFLOAD,
     ignored_params: set[nn.Parameter] | None = None,
-) -> Any:
+) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters over ``mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP)
     as PyTorch's ``fully_shard`` does, and return it, its class now ``FSDP<Class>``."""
     modules = tuple(module) if isinstance(module, list) else (module,)
@@ -74,7 +100,7 @@ def fully_shard(
     state.change(reshard_after_forward=reshard_after_forward)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
-    return module
+    return cast("FSDPModule | list[FSDPModule]", module)
 
 
 def _mesh(mesh: DeviceMesh | None) -> DeviceMesh:

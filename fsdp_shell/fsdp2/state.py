@@ -76,6 +76,9 @@ class _Iteration:
     """States whose post-backward ran."""
     arrived: dict[int, int] = field(default_factory=dict)
     """Per state, how many of its parameters' gradients autograd has accumulated."""
+    inputs_pending: dict[int, int] = field(default_factory=dict)
+    """Per state, how many of its forward inputs' gradients autograd has still to compute (a
+    frozen parameter may be needed for them after the last trainable one's gradient)."""
     runs: list[PlanRun] = field(default_factory=list)
 
 
@@ -226,7 +229,20 @@ def _pre_forward(
         with ctx.log.during(Phase.FORWARD):
             group.unshard(ctx.runtime(state.mesh))
         group.use_unsharded()
+        if torch.is_grad_enabled() and group.grad_index:
+            _hook_inputs(state, ctx, (args, kwargs))
     return args, kwargs
+
+
+def _hook_inputs(state: FSDPState, ctx: RootContext, inputs: Any) -> None:
+    """Count the forward inputs whose gradients backward computes: the unit's post-backward waits
+    for them too, so no parameter is freed while backward still reads it."""
+    hooked = [t for t in tensors_in(inputs) if t.requires_grad]
+    it = ctx.iteration
+    it.inputs_pending[id(state)] = it.inputs_pending.get(id(state), 0) + len(hooked)
+    hook = functools.partial(_input_done, weakref.ref(state))
+    for t in hooked:
+        t.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
@@ -274,13 +290,32 @@ def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torc
 
 
 def _arrived(state_ref: weakref.ref[FSDPState], param: torch.Tensor) -> None:
-    """An unsharded parameter's gradient is accumulated; the last of the unit's runs its plan."""
+    """An unsharded parameter's gradient is accumulated."""
     state = state_ref()
     if state is None or state.ctx is None or state.group is None:
         return
     it = state.ctx.iteration
-    n = it.arrived[id(state)] = it.arrived.get(id(state), 0) + 1
-    if n == len(state.group.grad_index):
+    it.arrived[id(state)] = it.arrived.get(id(state), 0) + 1
+    _maybe_reduce(state)
+
+
+def _input_done(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torch.Tensor:
+    """A forward input's gradient is computed."""
+    state = state_ref()
+    if state is not None and state.ctx is not None:
+        it = state.ctx.iteration
+        it.inputs_pending[id(state)] = it.inputs_pending.get(id(state), 0) - 1
+        _maybe_reduce(state)
+    return grad
+
+
+def _maybe_reduce(state: FSDPState) -> None:
+    """The unit reduces once every trainable parameter's gradient has arrived and no forward
+    input's gradient is still to come."""
+    assert state.ctx is not None and state.group is not None
+    it = state.ctx.iteration
+    key = id(state)
+    if it.arrived.get(key, 0) == len(state.group.grad_index) and it.inputs_pending.get(key, 0) <= 0:
         post_backward(state)
 
 
