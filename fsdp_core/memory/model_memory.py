@@ -213,10 +213,10 @@ def optimized_tensors(
         if not r.use_orig_params:
             if unit not in flat_done:
                 flat_done.add(unit)
-                numel = r.sharding.shard_numel(r.layout)
+                numel = r.shard_numel
                 out.append(OptimizedTensor(numel=numel, dtype=r.layout.dtype, grad_dtype=r.grad_dtype))
             continue
-        views = {v.param_index: v for v in r.sharding.shard_views(r.layout)}
+        views = {v.param_index: v for v in r.shard_views()}
         v = views.get(index)
         if v is not None and index not in u.frozen:
             out.append(OptimizedTensor(numel=v.numel, dtype=r.layout.dtype, grad_dtype=r.grad_dtype))
@@ -283,7 +283,7 @@ class _StepWalk:
         on_device = r.executor is Executor.CPU_LANE
         self.fixed = {
             Category.PARAMS_SHARDED: sum(
-                r.allocator.size(u.request.sharding.shard_numel(u.request.layout) * u.request.layout.dtype.itemsize)
+                r.allocator.size(u.request.shard_numel * u.request.layout.dtype.itemsize)
                 for u in specs
                 if on_device or not u.request.offload.offload_params
             ),

@@ -108,7 +108,7 @@ def unsharded_param_bytes(request: PlanRequest, allocator: Allocator = EXACT) ->
     compute dtype of its own, or offloaded); 0 where the unsharded parameter is the local one."""
     compute = request.compute_dtype
     own = request.sharding.strategy.is_sharded or compute != request.layout.dtype or request.offload.offload_params
-    return allocator.size(request.sharding.padded_numel(request.layout) * compute.itemsize) if own else 0
+    return allocator.size(request.padded_numel * compute.itemsize) if own else 0
 
 
 @dataclass(frozen=True, slots=True, eq=False)

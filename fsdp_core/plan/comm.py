@@ -97,7 +97,7 @@ def all_gather_volume(request: PlanRequest) -> CommVolume | None:
     if not sharding.strategy.is_sharded:
         return None
     g = sharding.shard_size
-    padded = sharding.padded_numel(request.layout)
+    padded = request.padded_numel
     dtype = request.compute_dtype
     return CommVolume(
         op_index=-1,
@@ -105,7 +105,7 @@ def all_gather_volume(request: PlanRequest) -> CommVolume | None:
         op="all_gather",
         group=Group.SHARD,
         group_size=g,
-        input_numel=sharding.shard_numel(request.layout),
+        input_numel=request.shard_numel,
         output_numel=padded,
         dtype=dtype,
         bytes=ring_bytes("all_gather", padded, g, dtype),

@@ -177,7 +177,7 @@ def _cast_to_reduce_dtype(d: Draft) -> Draft:
 
 
 def _pad_to_shards(d: Draft) -> Draft:
-    padded = d.request.sharding.padded_numel(d.request.layout)
+    padded = d.request.padded_numel
     if d.grad.numel == padded:
         return d
     new = Buffer(name="grad.padded", numel=padded, dtype=d.grad.dtype)
@@ -189,7 +189,7 @@ def _copy_in(d: Draft) -> Draft:
     into one buffer, cast to the reduce dtype on the way (``CopyIn``)."""
     r = d.request
     assert isinstance(r.layout, PerParamLayout)
-    new = Buffer(name="grad.in", numel=r.sharding.padded_numel(r.layout), dtype=r.reduce_dtype)
+    new = Buffer(name="grad.in", numel=r.padded_numel, dtype=r.reduce_dtype)
     return _replace_grad(d, CopyIn(src=d.grad, dst=new, layout=r.layout, stream=d.stream), new)
 
 
@@ -226,7 +226,7 @@ def _hook_call(d: Draft, dst: Buffer) -> Draft:
 def _reduce_scatter(d: Draft) -> Draft:
     """Shard-group reduction of a sharded strategy: reduce-scatter (or the hook) into a new shard."""
     r = d.request
-    shard = Buffer(name="shard", numel=r.sharding.shard_numel(r.layout), dtype=d.grad.dtype)
+    shard = Buffer(name="shard", numel=r.shard_numel, dtype=d.grad.dtype)
     if r.comm_hook is not CommHook.NONE:
         d2 = _hook_call(d, shard)
         return _emit(d2, *_release(d2, d.grad), grad=shard)
@@ -363,14 +363,14 @@ def _pending_unsharded(r: PlanRequest) -> Buffer:
 
 
 def _saved_grad(r: PlanRequest) -> Buffer:
-    numel = r.sharding.shard_numel(r.layout)
+    numel = r.shard_numel
     device = Device.HOST if r.offload.offload_params else Device.DEVICE
     name = "cpu_grad" if r.offload.offload_params else "sharded_grad"
     return Buffer(name=name, numel=numel, dtype=r.grad_dtype, device=device)
 
 
 def _partial(r: PlanRequest) -> Buffer:
-    return Buffer(name="partial", numel=r.sharding.shard_numel(r.layout), dtype=r.reduce_dtype)
+    return Buffer(name="partial", numel=r.shard_numel, dtype=r.reduce_dtype)
 
 
 def _defers_all_reduce(r: PlanRequest) -> bool:

@@ -105,7 +105,7 @@ def _header(plan: Plan) -> list[str]:
     lines = [
         f"post-backward plan: {s.strategy.name}, {geometry}, rank {s.rank}",
         f"  {unit}: {r.layout.total_numel} elements in {len(r.layout.params)} parameter(s), "
-        f"padded {s.padded_numel(r.layout)}, shard {s.shard_numel(r.layout)}",
+        f"padded {r.padded_numel}, shard {r.shard_numel}",
         f"  dtypes: param {_dtype(r.layout.dtype)}, compute {_dtype(r.compute_dtype)}, "
         f"reduce {_dtype(r.reduce_dtype)}, optimizer grad {_dtype(r.grad_dtype)}",
     ]
@@ -240,8 +240,8 @@ def plan_to_json(plan: Plan, problems: list[Problem] | None = None) -> dict[str,
         "rank": r.sharding.rank,
         "layout": "per_param" if r.per_param else "flat",
         "numel": r.layout.total_numel,
-        "padded_numel": r.sharding.padded_numel(r.layout),
-        "shard_numel": r.sharding.shard_numel(r.layout),
+        "padded_numel": r.padded_numel,
+        "shard_numel": r.shard_numel,
         "compute_dtype": _dtype(r.compute_dtype),
         "reduce_dtype": _dtype(r.reduce_dtype),
         "grad_dtype": _dtype(r.grad_dtype),

@@ -172,14 +172,33 @@ class PlanRequest:
         the unsharded gradients to itself)."""
         return self.use_orig_params or (self.per_param and self.flags.sync_gradients)
 
+    @property
+    def shard_numel(self) -> int:
+        """This rank's reduced gradient, padding included: the flat parameter's shard
+        (``ShardingSpec.shard_numel``) or a per-parameter unit's slice."""
+        if isinstance(self.layout, PerParamLayout):
+            return self.layout.slice_numel
+        return self.sharding.shard_numel(self.layout)
+
+    @property
+    def padded_numel(self) -> int:
+        """What the shard-group reduction reads: the padded flat gradient or a per-parameter unit's
+        ``world`` slices (``shard_numel`` times the shards)."""
+        return self.shard_numel * self.sharding.num_shards
+
     def shard_views(self) -> tuple[ShardView, ...]:
         """Where each parameter's gradient lies in the reduced gradient this rank keeps."""
+        layout = self.layout
+        if isinstance(layout, PerParamLayout):
+            return layout.shard_views(self.sharding.rank)
         if self.sharding.strategy.is_sharded:
-            return self.sharding.shard_views(self.layout)
-        return unsharded_views(self.layout)
+            return self.sharding.shard_views(layout)
+        return unsharded_views(layout)
 
     def unsharded_views(self) -> tuple[ShardView, ...]:
         """Where each parameter's gradient lies in the unsharded gradient (inside ``no_sync``)."""
+        if isinstance(self.layout, PerParamLayout):
+            return self.layout.unsharded_views()
         return unsharded_views(self.layout)
 
     @property

@@ -120,7 +120,7 @@ def _expect(r: PlanRequest) -> _Expect:
     f = r.flags
     dest = expected_destination(r)
     total = r.layout.total_numel
-    shard = r.sharding.shard_numel(r.layout)
+    shard = r.shard_numel
     compute = (
         r.layout.dtype
         if (f.force_full_precision or r.mixed_precision.param_dtype is None)
@@ -187,7 +187,7 @@ def _expect_reduced(
     """What a plan that hands off a reduced gradient (sharded, accumulated or offloaded) must do."""
     strategy = r.sharding.strategy
     total = r.layout.total_numel
-    shard = r.sharding.shard_numel(r.layout)
+    shard = r.shard_numel
     groups = Counter({Group.SHARD: 1})
     if strategy.is_hybrid:
         groups[Group.REPLICATE] = 1

@@ -8,14 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from fsdp_core.spec.config import FLOAT_DTYPES, ShardingStrategy
-
-if TYPE_CHECKING:
-    from fsdp_core.spec.per_param import PerParamLayout
 
 __all__ = [
     "FlatParamLayout",
@@ -251,16 +247,12 @@ class ShardingSpec:
             rank=rank,
         )
 
-    def shard_numel(self, layout: FlatParamLayout | PerParamLayout) -> int:
-        """Size of every rank's shard, padding included: ``ceil(total / num_shards)`` of a flat
-        parameter, one rank's slice (``PerParamLayout.slice_numel``) of a per-parameter unit."""
-        if isinstance(layout, FlatParamLayout):
-            return ceil_div(layout.total_numel, self.num_shards)
-        return layout.slice_numel
+    def shard_numel(self, layout: FlatParamLayout) -> int:
+        """Size of every rank's shard, padding included: ``ceil(total / num_shards)``."""
+        return ceil_div(layout.total_numel, self.num_shards)
 
-    def padded_numel(self, layout: FlatParamLayout | PerParamLayout) -> int:
-        """What the reduce-scatter reads: the smallest multiple of ``num_shards`` that holds the
-        flat parameter, or a per-parameter unit's ``num_shards`` slices."""
+    def padded_numel(self, layout: FlatParamLayout) -> int:
+        """The smallest multiple of ``num_shards`` that holds the flat parameter."""
         return self.shard_numel(layout) * self.num_shards
 
     def bounds(self, layout: FlatParamLayout, rank: int | None = None) -> ShardBounds:
@@ -279,20 +271,15 @@ class ShardingSpec:
         """The bounds of every shard, in rank order."""
         return tuple(self.bounds(layout, r) for r in range(self.num_shards))
 
-    def shard_views(self, layout: FlatParamLayout | PerParamLayout, rank: int | None = None) -> tuple[ShardView, ...]:
+    def shard_views(self, layout: FlatParamLayout, rank: int | None = None) -> tuple[ShardView, ...]:
         """The slices of original parameters held in ``rank``'s shard, in parameter order;
         parameters this rank holds none of are absent."""
-        if not isinstance(layout, FlatParamLayout):
-            return layout.shard_views(self.rank if rank is None else rank)
         b = self.bounds(layout, rank)
         return tuple(_views_in_range(layout, b.start, b.end))
 
 
-def unsharded_views(layout: FlatParamLayout | PerParamLayout) -> tuple[ShardView, ...]:
-    """Views of every original parameter in the unsharded gradient (the flat one, or a
-    per-parameter unit's gradients laid end to end)."""
-    if not isinstance(layout, FlatParamLayout):
-        return layout.unsharded_views()
+def unsharded_views(layout: FlatParamLayout) -> tuple[ShardView, ...]:
+    """Views of every original parameter in the unsharded flat gradient."""
     return tuple(_views_in_range(layout, 0, layout.total_numel))
 
 

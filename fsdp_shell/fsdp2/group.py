@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from fsdp_core import InputRole, PerParamLayout, Plan, ShardView, UnitDtypes
-from fsdp_shell.runtime.interpreter import Grads, one_tensor
 from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.units.grads import Grads, one_tensor
 from fsdp_shell.units.per_param import copy_in, copy_out_into, padded_shard
 
 __all__ = ["ParamGroup", "Slot"]

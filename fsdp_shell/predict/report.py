@@ -52,13 +52,11 @@ def _where(p: Prediction, at: HookEvent | Mark | None) -> str:
 
 
 def _unsharded_bytes(u: UnitSpec) -> int:
-    return u.request.sharding.padded_numel(u.request.layout) * u.request.compute_dtype.itemsize
+    return u.request.padded_numel * u.request.compute_dtype.itemsize
 
 
 def _units_table(p: Prediction) -> list[str]:
-    biggest = max(
-        u.request.sharding.padded_numel(u.request.layout) * u.request.compute_dtype.itemsize for u in p.units if u
-    )
+    biggest = max(u.request.padded_numel * u.request.compute_dtype.itemsize for u in p.units if u)
     name, scale = _unit_for(biggest)
     lines = [f"  {'unit':>4}  {'module':<28} {'parameters':>14} {'shard elements':>15} {'unsharded ' + name:>14}"]
     previous: tuple[int, int, int] | None = None
@@ -73,7 +71,7 @@ def _units_table(p: Prediction) -> list[str]:
         if u is None:
             continue
         r = u.request
-        row = (r.layout.numel_without_padding, r.sharding.shard_numel(r.layout), r.sharding.padded_numel(r.layout))
+        row = (r.layout.numel_without_padding, r.shard_numel, r.padded_numel)
         unsharded = _unsharded_bytes(u) / scale
         if row == previous and index != len(p.units) - 1:
             repeated.append(index)
@@ -175,8 +173,8 @@ def _unit_json(u: UnitSpec | None, path: str) -> JsonValue:
         "module": path,
         "parameters": r.layout.numel_without_padding,
         "flat_numel": r.layout.total_numel,
-        "shard_numel": r.sharding.shard_numel(r.layout),
-        "padded_numel": r.sharding.padded_numel(r.layout),
+        "shard_numel": r.shard_numel,
+        "padded_numel": r.padded_numel,
         "dtype": str(r.layout.dtype).removeprefix("torch."),
         "compute_dtype": str(r.compute_dtype).removeprefix("torch."),
     }

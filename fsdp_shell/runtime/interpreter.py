@@ -46,26 +46,10 @@ from fsdp_core import (
     WaitStream,
 )
 from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.units.grads import Grads
 from fsdp_shell.units.per_param import copy_in_grads
 
-__all__ = ["CommHookFn", "Grads", "PlanOwner", "PlanRun", "one_tensor", "parts"]
-
-Grads = torch.Tensor | tuple[torch.Tensor, ...]
-"""What a plan buffer is bound to: one tensor, or a per-parameter unit's unsharded gradients (one
-tensor per parameter, in the layout's order)."""
-
-
-def parts(value: Grads) -> tuple[torch.Tensor, ...]:
-    """The tensors ``value`` is made of (itself alone when it is one tensor)."""
-    return value if isinstance(value, tuple) else (value,)
-
-
-def one_tensor(value: Grads, what: str) -> torch.Tensor:
-    """``value`` when it is one tensor; a flat parameter's buffers and every reduced gradient are."""
-    if isinstance(value, tuple):
-        raise TypeError(f"{what}: expected one tensor, got a per-parameter unit's {len(value)} gradients")
-    return value
-
+__all__ = ["CommHookFn", "PlanOwner", "PlanRun"]
 
 CommHookFn = Callable[[torch.Tensor, torch.Tensor | None], None]
 """A bound comm hook: ``hook(grad, output)`` (``output`` None for in-place reduction)."""
@@ -114,7 +98,10 @@ class PlanRun:
         self._owner = owner
         self._grad: Grads | None = grad
         self._comm_hook = comm_hook
-        self._buffers: dict[str, Grads] = {}
+        self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}
+        """Each live buffer's tensors: one, or a per-parameter unit's gradients (``_multi``)."""
+        self._multi: set[str] = set()
+        """The buffers bound to a per-parameter unit's gradients, one tensor per parameter."""
         self._index = 0
         self.done = False
         """Whether every op has run (the gradient is handed off)."""
@@ -137,41 +124,49 @@ class PlanRun:
             self._step(op)
         self.done = True
 
-    def _bound(self, b: Buffer) -> Grads:
+    def _parts(self, b: Buffer) -> tuple[torch.Tensor, ...]:
         try:
             return self._buffers[b.name]
         except KeyError:
             raise RuntimeError(f"plan buffer {b.name} is not live") from None
 
     def _tensor(self, b: Buffer) -> torch.Tensor:
-        return one_tensor(self._bound(b), f"plan buffer {b.name}")
+        found = self._parts(b)
+        if b.name in self._multi:
+            raise TypeError(f"plan buffer {b.name}: expected one tensor, got a per-parameter unit's gradients")
+        return found[0]
 
     def _step(self, op: Op) -> None:
         rt = self._runtime
         index = self._index
         self._index += 1
         match op:
-            case Input() if op.role is InputRole.GRAD:
-                if self._grad is None:
-                    raise RuntimeError("the plan takes the new gradient twice")
-                self._buffers[op.buffer.name], self._grad = self._grad, None
             case Input():
-                if self.done:
-                    raise RuntimeError(f"the plan run has finished; no carried {op.role.value} gradient to take")
-                self._buffers[op.buffer.name] = self._owner.take_carried(op.role)
+                if op.role is not InputRole.GRAD:
+                    if self.done:
+                        raise RuntimeError(f"the plan run has finished; no carried {op.role.value} gradient to take")
+                    value = self._owner.take_carried(op.role)
+                elif self._grad is None:
+                    raise RuntimeError("the plan takes the new gradient twice")
+                else:
+                    value, self._grad = self._grad, None
+                if isinstance(value, tuple):
+                    self._multi.add(op.buffer.name)
+                self._buffers[op.buffer.name] = value if isinstance(value, tuple) else (value,)
             case WaitStream():
                 rt.wait_stream(op.stream, op.waits_for)
             case EndOfBackwardWait():
                 rt.end_of_backward(op.stream, op.waits_for)
             case RecordStream():
-                for t in parts(self._bound(op.buffer)):
+                for t in self._parts(op.buffer):
                     rt.record_stream(t, op.stream)
             case Free():
                 # the runtime takes the memory back, unless the same tensor lives on under another
                 # buffer's name (on the CPU an offload's host buffer is the device buffer itself)
-                gone = self._buffers.pop(op.buffer.name, None)
-                kept = [t for other in self._buffers.values() for t in parts(other)]
-                for t in () if gone is None else parts(gone):
+                gone = self._buffers.pop(op.buffer.name, ())
+                self._multi.discard(op.buffer.name)
+                kept = [t for other in self._buffers.values() for t in other]
+                for t in gone:
                     if not any(other is t for other in kept):
                         rt.free(t)
             case FreeUnshardedParam():
@@ -180,7 +175,8 @@ class PlanRun:
                 self._cast(op)
             case Pad():
                 src = self._tensor(op.src)
-                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
+                dst = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
+                self._buffers[op.dst.name] = (dst,)
 
                 def pad() -> None:
                     dst[: src.numel()].copy_(src)
@@ -188,42 +184,48 @@ class PlanRun:
 
                 rt.compute(op.stream, pad, (src, dst))
             case CopyIn():
-                grads = parts(self._bound(op.src))
-                device = grads[0].device
-                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, device, op.stream)
+                grads = self._parts(op.src)
+                dst = rt.empty(op.dst.numel, op.dst.dtype, grads[0].device, op.stream)
+                self._buffers[op.dst.name] = (dst,)
                 rt.compute(op.stream, partial(copy_in_grads, op.layout, grads, dst), (*grads, dst))
             case Divide():
                 t, factor = self._tensor(op.buffer), op.factor
                 rt.compute(op.stream, partial(t.div_, factor), (t,))
             case ReduceScatter():
                 src = self._tensor(op.src)
-                dst = self._buffers[op.dst.name] = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
+                dst = rt.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
+                self._buffers[op.dst.name] = (dst,)
                 rt.reduce_scatter(op.stream, op.group, dst, src, op.reduce_op, src_dies=index in self.plan.src_dies)
             case AllReduce():
                 rt.all_reduce(op.stream, op.group, self._tensor(op.buffer), op.reduce_op)
             case CommHookCall():
                 self._hook_call(op)
             case Accumulate():
-                dsts, srcs = parts(self._bound(op.dst)), parts(self._bound(op.src))
+                dsts, srcs = self._parts(op.dst), self._parts(op.src)
                 rt.compute(op.stream, partial(torch._foreach_add_, list(dsts), list(srcs)), (*dsts, *srcs))
             case Offload():
                 self._offload(op)
             case GradViews():
-                grad, views = self._bound(op.buffer), op.views
-                rt.on_host(partial(self._owner.expose_views, grad, views), parts(grad))
+                # the owner gets the tensor, or a per-parameter unit's gradients
+                uses = self._parts(op.buffer)
+                shown = uses if op.buffer.name in self._multi else uses[0]
+                rt.on_host(partial(self._owner.expose_views, shown, op.views), uses)
             case HandOff():
-                grad, plan = self._bound(op.buffer), self.plan
+                uses = self._parts(op.buffer)
+                grad = uses if op.buffer.name in self._multi else uses[0]
                 del self._buffers[op.buffer.name]
-                rt.on_host(partial(self._owner.hand_off, plan, grad), parts(grad))
+                self._multi.discard(op.buffer.name)
+                rt.on_host(partial(self._owner.hand_off, self.plan, grad), uses)
             case _:
                 assert_never(op)
 
     def _cast(self, op: Cast) -> None:
         """``dst = src.to(dst.dtype)``, part by part: each new part in its source's shape."""
-        src, rt = self._bound(op.src), self._runtime
-        srcs = parts(src)
+        srcs, rt = self._parts(op.src), self._runtime
         dsts = tuple(rt.empty(t.numel(), op.dst.dtype, t.device, op.stream).view(t.shape) for t in srcs)
-        self._buffers[op.dst.name] = dsts if isinstance(src, tuple) else dsts[0]
+        self._buffers[op.dst.name] = dsts
+        if op.src.name in self._multi:
+            self._multi.add(op.dst.name)
         rt.compute(op.stream, partial(torch._foreach_copy_, list(dsts), list(srcs)), (*srcs, *dsts))
 
     def _hook_call(self, op: CommHookCall) -> None:
@@ -235,7 +237,8 @@ class PlanRun:
         if in_place:
             out = src
         else:
-            out = self._buffers[op.dst.name] = self._runtime.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
+            out = self._runtime.empty(op.dst.numel, op.dst.dtype, src.device, op.stream)
+            self._buffers[op.dst.name] = (out,)
 
         def call() -> None:
             hook(src, None if in_place else out)
@@ -249,6 +252,6 @@ class PlanRun:
             self._runtime.compute(op.stream, lambda: host.add_(src.to(_HOST)), (src, host))
             return
         numel, dtype = op.dst.numel, op.dst.dtype
-        self._buffers[op.dst.name] = self._runtime.to_host(
-            op.stream, src, lambda: self._owner.host_grad_buffer(numel, dtype)
+        self._buffers[op.dst.name] = (
+            self._runtime.to_host(op.stream, src, lambda: self._owner.host_grad_buffer(numel, dtype)),
         )

@@ -41,7 +41,8 @@ from fsdp_shell.runtime.inprocess import (
     WorldAborted,
     WorldGeometry,
 )
-from fsdp_shell.runtime.interpreter import CommHookFn, Grads, PlanRun, parts
+from fsdp_shell.runtime.interpreter import CommHookFn, PlanRun
+from fsdp_shell.units.grads import Grads, parts
 
 __all__ = [
     "HOOKS",

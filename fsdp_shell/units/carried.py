@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fsdp_core import InputRole, Plan
-from fsdp_shell.runtime.interpreter import Grads, one_tensor
+from fsdp_shell.units.grads import Grads
 
 __all__ = ["CarriedGrads", "set_grad"]
 
@@ -104,7 +104,8 @@ class CarriedGrads:
     def hand_off(self, plan: Plan, value: Grads) -> None:
         """Take what ``plan`` hands off: its carried inputs consumed, ``grad`` carried under
         ``plan.carried_out``; then shown (``expose``)."""
-        grad = one_tensor(value, "a flat parameter's gradient")
+        grad = value
+        assert isinstance(grad, torch.Tensor), "a flat parameter's plans bind one tensor to each buffer"
         kept = {role: t for role, t in self.tensors.items() if role not in plan.consumed}
         if plan.carried_out is not None:
             kept[plan.carried_out] = grad

@@ -22,10 +22,10 @@ from torch import nn
 
 from fsdp_core import FlatParamLayout, InputRole, PlanRequest, ShardingSpec, ShardView
 from fsdp_shell.runtime.collectives import Pending, all_gather_flat, any_rank
-from fsdp_shell.runtime.interpreter import Grads, one_tensor
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.carried import CarriedGrads, set_grad
 from fsdp_shell.units.gather_limit import GatherLimiter
+from fsdp_shell.units.grads import Grads
 
 __all__ = ["FlatParamHandle", "OrigParam", "split_views"]
 
@@ -302,7 +302,8 @@ class FlatParamHandle:
     def expose_views(self, value: Grads, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at their slices of ``grad`` (None where this
         rank holds none of a parameter); unsharded views take the parameter's shape."""
-        grad = one_tensor(value, "a flat parameter's gradient")
+        grad = value
+        assert isinstance(grad, torch.Tensor), "a flat parameter's plans bind one tensor to each buffer"
         by_index = {v.param_index: v for v in views}
         shaped = not self.is_sharded or views != self._shard_view_list
         for index, orig in enumerate(self.orig_params):

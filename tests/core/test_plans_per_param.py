@@ -81,9 +81,10 @@ RANK1 = (view("w", 0, 0, 9, 6), view("b", 1, 9, 3, 2))
 
 def test_the_units_numbers() -> None:
     assert (UNIT.total_numel, UNIT.slice_numel, UNIT.padded_numel) == (20, 12, 24)
-    assert (FULL.shard_numel(UNIT), FULL.padded_numel(UNIT)) == (12, 24)
-    assert FULL.shard_views(UNIT) == RANK1
-    assert FULL.shard_views(UNIT, 0) == RANK0
+    request = PlanRequest(layout=UNIT, sharding=FULL)
+    assert (request.shard_numel, request.padded_numel) == (12, 24)
+    assert request.shard_views() == RANK1
+    assert UNIT.shard_views(0) == RANK0
 
 
 def test_full_shard_copies_in_reduce_scatters_and_exposes_each_parameters_shard() -> None:

@@ -20,6 +20,7 @@ from fsdp_core import (
     Destination,
     Device,
     EndOfBackwardWait,
+    FlatParamLayout,
     Free,
     GradViews,
     HandOff,
@@ -33,7 +34,6 @@ from fsdp_core import (
     ShardingStrategy,
     StepFlags,
     Stream,
-    unsharded_views,
 )
 from tests.core.verifier_cases import (
     FULL,
@@ -199,7 +199,9 @@ def test_views_of_another_rank() -> None:
     plan = orig_plan(rank=1)
     g = find(plan, GradViews)
     op = op_at(plan, g, GradViews)
-    rank0 = plan.request.sharding.shard_views(plan.request.layout, 0)
+    layout = plan.request.layout
+    assert isinstance(layout, FlatParamLayout)
+    rank0 = plan.request.sharding.shard_views(layout, 0)
     assert rank0 != op.views
     found(replace_at(plan, g, dataclasses.replace(op, views=rank0)), Rule.VIEWS, at=g, says="do not match")
 
@@ -209,7 +211,7 @@ def test_views_unsharded_in_a_sharded_plan() -> None:
     plan = orig_plan()
     g = find(plan, GradViews)
     op = op_at(plan, g, GradViews)
-    broken = replace_at(plan, g, dataclasses.replace(op, views=unsharded_views(plan.request.layout)))
+    broken = replace_at(plan, g, dataclasses.replace(op, views=plan.request.unsharded_views()))
     found(broken, Rule.VIEWS, at=g, says="lies outside shard")
 
 
