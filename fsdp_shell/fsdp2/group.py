@@ -116,6 +116,22 @@ class ParamGroup:
         """The modules hold the sharded ``DTensor`` parameters (between iterations)."""
         self._register(self.sharded)
 
+    @property
+    def holders(self) -> list[nn.Module]:
+        """The modules that hold the unit's parameters."""
+        out: list[nn.Module] = []
+        for slots in self._slots:
+            for module, _ in slots:
+                if not any(module is m for m in out):
+                    out.append(module)
+        return out
+
+    def to_sharded(self) -> None:
+        """Free the unsharded parameters and let the modules hold the sharded ones (before a
+        state dict is saved or loaded, as FSDP2 does)."""
+        self.free_unsharded()
+        self.use_sharded()
+
     def use_unsharded(self) -> None:
         """The modules hold the unsharded parameters (while they run)."""
         self._register(self.unsharded)

@@ -102,6 +102,11 @@ class FSDPState:
                 group.unsharded[i].register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
                     functools.partial(_arrived, me)
                 )
+        if group is not None:
+            for holder in group.holders:  # state dicts see the sharded DTensor parameters
+                to_sharded = functools.partial(_to_sharded, group)
+                holder.register_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]  # unannotated in torch
+                holder.register_load_state_dict_pre_hook(to_sharded)  # type: ignore[no-untyped-call]  # unannotated in torch
         for module in modules:
             module.__dict__[STATE_ATTR] = self
             module.register_forward_pre_hook(functools.partial(_pre_forward, self), prepend=True, with_kwargs=True)
@@ -140,6 +145,10 @@ class FSDPState:
             flags=flags,
             reshard_after_backward=s.reshard_after_backward,
         )
+
+
+def _to_sharded(group: ParamGroup, *args: Any, **kwargs: Any) -> None:
+    group.to_sharded()
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
