@@ -1,4 +1,5 @@
-"""Training step of fsdp_shell vs PyTorch FSDP1 and FSDP2, in one gloo world on CPU.
+"""Training step of fsdp_shell vs PyTorch FSDP1 and FSDP2, in one gloo world on CPU: our FSDP1
+API against theirs and against FSDP2, and our ``fully_shard`` against FSDP2's.
 
 Run on demand: ``python benchmarks/bench_training.py [--rounds 15] [--models wide,tiny,hybrid]``.
 
@@ -107,7 +108,22 @@ def _fsdp2(kind: str, mesh: DeviceMesh | None) -> nn.Module:
     return module
 
 
-BUILDERS: dict[str, Callable[[str, DeviceMesh | None], nn.Module]] = {"ours": _ours, "fsdp1": _fsdp1, "fsdp2": _fsdp2}
+def _ours_fully_shard(kind: str, mesh: DeviceMesh | None) -> nn.Module:
+    from fsdp_shell import fully_shard
+
+    module = _model(kind)
+    for layer in module:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+BUILDERS: dict[str, Callable[[str, DeviceMesh | None], nn.Module]] = {
+    "ours": _ours,
+    "fsdp1": _fsdp1,
+    "fsdp2": _fsdp2,
+    "ours_fully_shard": _ours_fully_shard,
+}
 COUNTED = (
     "aten::fill_",
     "aten::zero_",
@@ -253,23 +269,26 @@ def main() -> None:
             lo, mid, hi = _quartiles([a / b for a, b in zip(ours, times[other])])
             line.append(f"{other} {statistics.median(times[other]) * 1e3:7.2f} ms, ratio {mid:.2f} [{lo:.2f}-{hi:.2f}]")
         print(" | ".join(line))
-        rank_losses = [cast(dict[str, list[float]], per_rank["losses"]) for per_rank in out]
-        worst = max(
-            abs(a - b) for lo in rank_losses for other in ("fsdp1", "fsdp2") for a, b in zip(lo["ours"], lo[other])
-        )
+        mine = times["ours_fully_shard"]
+        lo, mid, hi = _quartiles([a / b for a, b in zip(mine, times["fsdp2"])])
         print(
-            f"{'':>8}losses: largest difference from FSDP1/FSDP2 over {len(losses['ours'])} steps, "
+            f"{'':>8}fully_shard: ours {statistics.median(mine) * 1e3:7.2f} ms/step, "
+            f"ratio to FSDP2's {mid:.2f} [{lo:.2f}-{hi:.2f}]"
+        )
+        rank_losses = [cast(dict[str, list[float]], per_rank["losses"]) for per_rank in out]
+        pairs = (("ours", "fsdp1"), ("ours", "fsdp2"), ("ours_fully_shard", "fsdp2"))
+        worst = max(abs(a - b) for lo in rank_losses for x, y in pairs for a, b in zip(lo[x], lo[y]))
+        print(
+            f"{'':>8}losses: largest difference, ours from FSDP1/FSDP2 and our fully_shard from FSDP2, "
+            f"over {len(losses['ours'])} steps, "
             f"all ranks: {worst:.2e}"
         )
         counts = out[0]["counts"]
         assert isinstance(counts, dict)
         print(
             f"{'':>8}ops per step (rank 0): "
-            + "; ".join(
-                f"{op.split(':')[-1]} " + "/".join(str(counts[n][op]) for n in ("ours", "fsdp1", "fsdp2"))
-                for op in COUNTED
-            )
-            + "  (ours/fsdp1/fsdp2)"
+            + "; ".join(f"{op.split(':')[-1]} " + "/".join(str(counts[n][op]) for n in BUILDERS) for op in COUNTED)
+            + "  (ours/fsdp1/fsdp2/ours fully_shard)"
         )
         misses, _, verify_us = cast(tuple[int, int, float], out[0]["plans"])
         print(

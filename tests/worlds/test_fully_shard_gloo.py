@@ -6,7 +6,8 @@ The cases cover the options pairwise: 2 and 4 ranks; 1-D and 2-D meshes (a shard
 included); ``reshard_after_forward`` None, True and False; bf16 parameters with fp32 reduction
 and an fp32 ``output_dtype``; gradient accumulation without sync, and HSDP without the
 all-reduce, until the last micro-batch; frozen and ignored parameters; tied embeddings; a
-dimension-0 size that does not divide (9 rows) and ``Shard(1)``. Checkpoints saved by either
+dimension-0 size that does not divide (9 rows) and ``Shard(1)``; activation checkpointing and
+``torch.compile`` per block before sharding; ``clip_grad_norm_`` on the DTensor gradients. Checkpoints saved by either
 library with ``torch.distributed.checkpoint`` load into the other, which trains on identically.
 """
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -82,13 +84,21 @@ class Case:
     frozen: bool = False
     """Freeze the first block's ``up``, and leave the last block's ``scale`` out (ignored)."""
     tied: bool = False
+    checkpointed: bool = False
+    """Each block under ``checkpoint_wrapper`` (activation checkpointing) before sharding."""
+    compiled: bool = False
+    """Each block ``compile()``d before sharding (torchtitan's order)."""
+    clip: bool = False
+    """``torch.nn.utils.clip_grad_norm_`` before every optimizer step."""
     steps: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
         parts = [f"w{self.world}", "x".join(map(str, self.mesh)), f"raf-{self.reshard}"]
-        parts += [name for name, on in (("bf16", self.bf16), ("frozen", self.frozen), ("tied", self.tied)) if on]
+        flags = [("bf16", self.bf16), ("frozen", self.frozen), ("tied", self.tied), ("ac", self.checkpointed)]
+        flags += [("compiled", self.compiled), ("clip", self.clip)]
+        parts += [name for name, on in flags if on]
         if self.micro > 1:
             parts.append(f"micro{self.micro}")
         return "-".join(parts)
@@ -101,7 +111,8 @@ CASES = [
     Case(4, (2, 2), bf16=True, micro=2),
     Case(2, (2,), frozen=True, tied=True),
     Case(4, (4, 1), reshard=False, frozen=True),
-    Case(4, (1, 4), tied=True, bf16=True),
+    Case(4, (1, 4), tied=True, bf16=True, checkpointed=True, clip=True),
+    Case(2, (2,), compiled=True, clip=True, steps=2),
 ]
 
 
@@ -125,7 +136,10 @@ def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, to
     if case.bf16:  # the root's logits come out in fp32
         blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    for b in model.blocks:
+    for i, block in enumerate(model.blocks):
+        b = model.blocks[i] = checkpoint_wrapper(block) if case.checkpointed else block
+        if case.compiled:
+            b.compile()
         shard(b, shard_placement_fn=_placement, ignored_params=ignored, mp_policy=blocks, **kw)
     shard(model, mp_policy=root, **kw)
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -144,6 +158,8 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, batches: list[torc
         loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1)) / len(batches)
         loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         total += loss.item()
+    if case.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
     opt.zero_grad()
     return total
