@@ -174,7 +174,8 @@ class Free:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FreeUnshardedParam:
-    """Reshard: free the unsharded flat parameter (FSDP1's ``_should_free_in_backward``)."""
+    """Reshard: free the unsharded parameters (FSDP1's ``_should_free_in_backward``; a
+    per-parameter unit's ``reshard_after_backward``)."""
 
     stream: Stream = Stream.COMPUTE
 

@@ -54,7 +54,7 @@ def describe_op(op: Op) -> str:
         case Free():
             return f"{op.buffer.name} back to {op.stream.value}'s pool"
         case FreeUnshardedParam():
-            return "reshard: free the unsharded flat parameter"
+            return "reshard: free the unsharded parameters"
         case Cast():
             return f"{op.src} -> {op.dst}"
         case Pad():

@@ -34,6 +34,7 @@ from fsdp_core import (  # noqa: E402
     FlatParamLayout,
     HybridAllReduce,
     MixedPrecision,
+    PerParamLayout,
     Plan,
     Problem,
     ShardingSpec,
@@ -115,6 +116,20 @@ def _numels(text: str) -> tuple[int, ...]:
     return values
 
 
+def _shapes(text: str) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """``9x6,9,4x8:1`` -> ``(((9, 6), 0), ((9,), 0), ((4, 8), 1))``: shapes and shard dimensions."""
+    out = []
+    for item in text.split(","):
+        shape_text, _, dim_text = item.strip().partition(":")
+        try:
+            shape = tuple(int(d) for d in shape_text.split("x"))
+            dim = int(dim_text) if dim_text else 0
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected shapes like 9x6,9 or 4x8:1, got {text!r}") from None
+        out.append((shape, dim))
+    return tuple(out)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -127,7 +142,23 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``fsdp-plan``."""
-    p = OneLineErrorParser(prog="fsdp-plan", description="Print FSDP's post-backward plan for one flat parameter.")
+    p = OneLineErrorParser(
+        prog="fsdp-plan",
+        description="Print FSDP's post-backward plan for one flat parameter, or one fully_shard unit (--api).",
+    )
+    p.add_argument(
+        "--api",
+        default="fsdp1",
+        choices=["fsdp1", "fully_shard"],
+        help="fsdp1: one flat parameter (default); fully_shard: FSDP2's per-parameter unit",
+    )
+    p.add_argument(
+        "--shapes",
+        type=_shapes,
+        default=None,
+        help="fully_shard: the parameters' shapes, e.g. 9x6,9 (default: each --numel 1-D); "
+        "a ':d' suffix shards one on dimension d, e.g. 4x8:1",
+    )
     p.add_argument(
         "--strategy", default="FULL_SHARD", help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
     )
@@ -171,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--pending-partial", action="store_true", help="hybrid: a partial reduction from earlier backwards exists"
     )
     p.add_argument("--force-full-precision", action="store_true")
-    p.add_argument("--division", default="pre_post", choices=[d.value for d in DivisionPolicy])
+    p.add_argument(
+        "--division",
+        default=None,
+        choices=[d.value for d in DivisionPolicy],
+        help="pre_post (FSDP1's, the default for --api fsdp1) or in_collective (FSDP2's, the default for fully_shard)",
+    )
     p.add_argument(
         "--backend", default="nccl", choices=["nccl", "gloo"], help="backend capabilities for --division in_collective"
     )
@@ -257,10 +293,18 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         reduce_dtype=args.reduce_dtype,
         keep_low_precision_grads=args.keep_low_precision_grads,
     )
-    align_dtype = mp.compute_dtype(args.dtype)
-    layout = FlatParamLayout.of(
-        [(n, (k,)) for n, k in zip(names, numels)], args.dtype, align=args.use_orig_params, align_dtype=align_dtype
-    )
+    layout: FlatParamLayout | PerParamLayout
+    if args.api == "fully_shard":
+        shapes = args.shapes or tuple(((k,), 0) for k in numels)
+        names = ["w"] if len(shapes) == 1 else [f"p{i}" for i in range(len(shapes))]
+        layout = PerParamLayout.of([(n, s, d) for n, (s, d) in zip(names, shapes)], args.dtype, sharding.shard_size)
+    else:
+        if args.shapes is not None:
+            raise ValueError("--shapes: only --api fully_shard shards parameters by shape; use --numel for a flat one")
+        align_dtype = mp.compute_dtype(args.dtype)
+        layout = FlatParamLayout.of(
+            [(n, (k,)) for n, k in zip(names, numels)], args.dtype, align=args.use_orig_params, align_dtype=align_dtype
+        )
     flags = StepFlags(
         sync_gradients=not args.no_sync,
         accumulate=args.accumulate,
@@ -269,8 +313,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         pending_partial=args.pending_partial,
         force_full_precision=args.force_full_precision,
     )
+    policy = args.division or ("in_collective" if args.api == "fully_shard" else "pre_post")
     division = Division(
-        policy=DivisionPolicy(args.division), backend=BackendCaps.for_backend(args.backend), factor=args.divide_factor
+        policy=DivisionPolicy(policy), backend=BackendCaps.for_backend(args.backend), factor=args.divide_factor
     )
     return plan_post_backward(
         layout,

@@ -32,7 +32,9 @@ from fsdp_core import (
     BackendCaps,
     Division,
     DivisionPolicy,
+    InputRole,
     MixedPrecision,
+    Plan,
     PlanCache,
     PlanRequest,
     ShardingSpec,
@@ -94,6 +96,9 @@ class FSDPState:
         self.mesh = mesh
         self.mp = mp
         self.settings = Settings()
+        self._plans: dict[frozenset[InputRole], Plan] = {}
+        """This step's plan by the roles the unit carries, under the settings in force (emptied
+        when they change), so a backward looks its plan up without building a request."""
         self.ctx: RootContext | None = None
         self.is_root = False
         if group is not None:
@@ -115,14 +120,24 @@ class FSDPState:
     def change(self, **changes: Any) -> None:
         """Replace the settings (``FSDPModule``'s setters)."""
         self.settings = replace(self.settings, **changes)
+        self._plans = {}
+
+    def step_plan(self, roles: frozenset[InputRole]) -> Plan:
+        """The unit's post-backward plan this step, given the roles it carries: from the root's
+        verifying cache the first time, one dictionary lookup after."""
+        plan = self._plans.get(roles)
+        if plan is None:
+            assert self.ctx is not None
+            plan = self._plans[roles] = self.ctx.plans(self.request(roles))
+        return plan
 
     @property
     def reshards_after_forward(self) -> bool:
         value = self.settings.reshard_after_forward
         return (not self.is_root) if value is None else value
 
-    def request(self, flags_roles: frozenset[Any]) -> PlanRequest:
-        """The plan request of this unit's post-backward with the carried ``flags_roles``."""
+    def request(self, roles: frozenset[InputRole]) -> PlanRequest:
+        """The plan request of this unit's post-backward with the carried ``roles``."""
         group = self.group
         assert group is not None and group.reduce_layout is not None and self.ctx is not None
         s = self.settings
@@ -134,9 +149,7 @@ class FSDPState:
             rank=group.rank,
         )
         caps = BackendCaps() if s.force_sum_reduction_for_comms else self.ctx.groups(self.mesh).caps
-        flags = step_flags(
-            flags_roles, sync_gradients=s.requires_gradient_sync, requires_all_reduce=s.requires_all_reduce
-        )
+        flags = step_flags(roles, sync_gradients=s.requires_gradient_sync, requires_all_reduce=s.requires_all_reduce)
         return PlanRequest(
             layout=group.reduce_layout,
             sharding=sharding,
@@ -337,7 +350,7 @@ def post_backward(state: FSDPState) -> None:
         return
     it.reduced.add(id(state))
     group.reclaim()
-    plan = ctx.plans(state.request(frozenset(group.carried)))
+    plan = state.step_plan(frozenset(group.carried))
     run = PlanRun(plan, ctx.runtime(state.mesh), group, group.take_grads())
     group.use_sharded()
     with ctx.log.during(Phase.POST_BACKWARD):

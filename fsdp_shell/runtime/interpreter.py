@@ -61,7 +61,7 @@ class PlanOwner(Protocol):
     """What the interpreter calls back into: the flat parameter's handle."""
 
     def free_unsharded(self) -> None:
-        """Reshard: free the unsharded flat parameter."""
+        """Reshard: free the unsharded parameters (the flat one, or a per-parameter unit's)."""
 
     def expose_views(self, grad: Grads, views: tuple[ShardView, ...]) -> None:
         """Point the original parameters' ``.grad`` at ``views`` of ``grad``."""

@@ -302,3 +302,46 @@ def test_the_test_command_has_a_help_that_runs_nothing() -> None:
     assert "bash scripts/test.sh tests/worlds/test_demo.py -k check" in done.stdout
     for tier in ("core", "shell", "worlds", "device", "meta"):
         assert f"tests/{tier}" in done.stdout and (script.parents[1] / "tests" / tier / "__init__.py").is_file()
+
+
+def test_a_fully_shard_unit_prints_its_per_parameter_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--api fully_shard``: 9x6 (uneven over 4: chunks of 3 rows, 18 elements), 9 (3) and 4x8 on
+    dimension 1 (2 columns, 8): a slice of 29, a reduce-scatter input of 116, FSDP2's division."""
+    argv = ["--api", "fully_shard", "--world-size", "4", "--shapes", "9x6,9,4x8:1", "--backend", "gloo"]
+    out = run_json(capsys, *argv, "--param-dtype", "bf16", "--reduce-dtype", "fp32")
+    assert (out["layout"], out["numel"], out["padded_numel"], out["shard_numel"]) == ("per_param", 95, 116, 29)
+    ops = out["ops"]
+    assert isinstance(ops, list) and [op["op"] for op in ops if op["op"] in ("copy_in", "reduce_scatter")] == [
+        "copy_in",
+        "reduce_scatter",
+    ]
+    assert out["problems"] == [] and out["factors"] == {
+        "pre": 1.0,
+        "post": 4.0,
+        "reduce_scatter_op": "sum",
+        "all_reduce_op": "sum",
+        "total": 4.0,
+    }
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "per-parameter unit: 95 elements in 3 parameter(s), padded 116, shard 29" in text
+    assert "verifier: sound" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--shapes", "4x4"], "--shapes: only --api fully_shard"),
+        (["--api", "fully_shard", "--shapes", "4xa"], "expected shapes like 9x6,9"),
+        (["--api", "fully_shard", "--strategy", "NO_SHARD"], "sharding.strategy: a per-parameter unit"),
+        (["--api", "fully_shard", "--world-size", "4", "--shapes", "4x6:1"], "does not divide over 4"),
+    ],
+)
+def test_fully_shard_refusals_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err
