@@ -48,7 +48,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--api",
+        default="fsdp1",
+        choices=["fsdp1", "fully_shard"],
+        help="fsdp1: our FSDP1 API against PyTorch's FSDP1 (default); fully_shard: ours against FSDP2",
+    )
     args = parser.parse_args()
+    if args.api == "fully_shard":
+        _fully_shard(args)
+        return
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -69,6 +78,32 @@ def main() -> None:
         print(
             f"{name:<34} {ratios['forward']:>8.3f} {ratios['backward']:>8.3f} {ratios['optimizer']:>8.3f} "
             f"{ratios['after']:>8.3f}",
+            flush=True,
+        )
+    print("worst: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
+
+
+def _fully_shard(args: argparse.Namespace) -> None:
+    """Our ``fully_shard`` against PyTorch's, every configuration FSDP2 has a form of, each run
+    twice (FSDP2's bytes on gloo move between runs; ours must not)."""
+    names = [n for n in args.configs.split(",") if n and not any(x in n for x in ("no_shard", "orig", "offload"))]
+    print(f"{'configuration':<34} {'forward':>8} {'backward':>8} {'optim':>8} {'after':>8}  ours run to run")
+    print(f"{'':<34} {'ours / FSDP2 (worst rank)':>35}")
+    worst: dict[str, float] = {}
+    for name in names:
+        cfg = CONFIGS[name]
+        runs = [
+            run_world(cfg.world, measure, (cfg, args.steps, ("ours_fully_shard", "fsdp2")), timeout=600)
+            for _ in range(2)
+        ]
+        ratios = {k: max(r["ours_fully_shard"][k] / r["fsdp2"][k] for ranks in runs for r in ranks) for k in PHASES}
+        same = all(a["ours_fully_shard"] == b["ours_fully_shard"] for a, b in zip(runs[0], runs[1]))
+        theirs_same = all(a["fsdp2"] == b["fsdp2"] for a, b in zip(runs[0], runs[1]))
+        for k, v in ratios.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+        print(
+            f"{name:<34} {ratios['forward']:>8.3f} {ratios['backward']:>8.3f} {ratios['optimizer']:>8.3f} "
+            f"{ratios['after']:>8.3f}  {'same' if same else 'DIFFERS'} (FSDP2: {'same' if theirs_same else 'differs'})",
             flush=True,
         )
     print("worst: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))

@@ -16,6 +16,7 @@ the planner builds for the reduce layout, run by the interpreter.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from fsdp_core import InputRole, PerParamLayout, Plan, ShardView, UnitDtypes
+from fsdp_shell.runtime.collectives import release
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.grads import Grads, one_tensor
 from fsdp_shell.units.per_param import copy_in, copy_out_into, padded_shard
@@ -87,9 +89,13 @@ class ParamGroup:
         self.gathered = False
         """Whether the unsharded parameters hold the gathered values."""
         self.carried: dict[InputRole, Grads] = {}
-        """Gradient state carried between backwards, by the role the next plan takes it in."""
-        self._shown: list[torch.Tensor | None] = []
-        """The local tensors last shown as the sharded parameters' ``.grad`` (``expose_views``)."""
+        """Gradient state carried between backwards, by the role the next plan takes it in: a
+        ``no_sync`` accumulation and a partial reduction (the reduced gradient is the ``.grad``
+        views', ``reclaim``)."""
+        self._shown_base: weakref.ref[torch.Tensor] | None = None
+        """The reduced gradient last shown as the sharded parameters' ``.grad``, held weakly."""
+        self._shown_ptrs: tuple[int | None, ...] = ()
+        """Where those ``.grad`` local tensors start."""
         self.use_sharded()
 
     # -- DTensors ---------------------------------------------------------------------------
@@ -169,6 +175,7 @@ class ParamGroup:
                 if spec.shard_dim != 0:
                     chunks = self._stacked[i].chunk(layout.world, dim=0)
                     self.unsharded[i].data.copy_(torch.cat(chunks, dim=spec.shard_dim))
+        release(gathered)  # now, not when gloo's threads let go of it
         self.gathered = True
 
     def free_unsharded(self) -> None:
@@ -199,22 +206,24 @@ class ParamGroup:
         return any(self.unsharded[i].grad is not None for i in self.grad_index)
 
     def reclaim(self) -> None:
-        """Reconcile the carried reduced gradient with the sharded parameters' ``.grad`` before a
-        backward reduces into it: all None (``zero_grad()``) drops it; gradients that are no
-        longer the views shown (assigned, or replaced) are copied into a new buffer, so a
-        ``.grad`` that exists is accumulated into as in FSDP2."""
+        """Before a backward reduces: the reduced gradient the sharded parameters' ``.grad`` show
+        becomes the carried ``SHARDED_GRAD`` the plan accumulates into. It is held only through
+        those views between steps (so ``zero_grad()`` frees it, as FSDP2's ``.grad`` does): all
+        None means there is none; views still of the buffer shown are that buffer; gradients
+        assigned or replaced since are copied into a new one, so a ``.grad`` that exists is
+        accumulated into as in FSDP2."""
         layout = self.reduce_layout
+        self.carried.pop(InputRole.SHARDED_GRAD, None)
         if layout is None:
             return
         grads = [self.sharded[i].grad for i in self.grad_index]
         if all(g is None for g in grads):
-            self.carried.pop(InputRole.SHARDED_GRAD, None)
             return
-        held = self.carried.get(InputRole.SHARDED_GRAD)
         locals_ = [None if g is None else _local(g) for g in grads]
-        if held is not None and all(
-            a is not None and b is not None and a.data_ptr() == b.data_ptr() for a, b in zip(locals_, self._shown)
-        ):
+        shown = None if self._shown_base is None else self._shown_base()
+        ptrs = tuple(None if t is None else t.data_ptr() for t in locals_)
+        if shown is not None and ptrs == self._shown_ptrs:
+            self.carried[InputRole.SHARDED_GRAD] = shown
             return
         rebuilt = torch.zeros(layout.slice_numel, dtype=self.dtypes.orig, device=self.device)
         for j, local in enumerate(locals_):
@@ -235,14 +244,16 @@ class ParamGroup:
     def _show(self, reduced: torch.Tensor) -> None:
         layout = self.reduce_layout
         assert layout is not None
-        self._shown = []
+        ptrs = []
         for j, i in enumerate(self.grad_index):
             rows = layout.rows(j, self.rank)
             numel = rows * layout.params[j].row_numel
             local = reduced.narrow(0, layout.shard_offsets[j], numel).view(layout.sharded_shape(j, self.rank))
             with torch.no_grad():
                 self.sharded[i].grad = self._dtensor(i, local)
-            self._shown.append(local)
+            ptrs.append(local.data_ptr())
+        self._shown_base = weakref.ref(reduced)
+        self._shown_ptrs = tuple(ptrs)
 
     def take_carried(self, role: InputRole) -> Grads:
         value = self.carried.pop(role, None)
@@ -251,8 +262,10 @@ class ParamGroup:
         return value
 
     def hand_off(self, plan: Plan, value: Grads) -> None:
+        """What the plan hands off is carried, but the reduced gradient: the ``.grad`` views
+        shown hold it (``reclaim``)."""
         kept = {role: t for role, t in self.carried.items() if role not in plan.consumed}
-        if plan.carried_out is not None:
+        if plan.carried_out is not None and plan.carried_out is not InputRole.SHARDED_GRAD:
             kept[plan.carried_out] = value
         self.carried = kept
 

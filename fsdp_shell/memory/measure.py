@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
 
 from fsdp_shell.memory.live import LiveBytes
-from fsdp_shell.memory.workload import Config, Impl, loss_of, optimizer_of, wrap
+from fsdp_shell.memory.workload import Config, Impl, loss_of, optimizer_of, shard_per_block, wrap
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
@@ -51,13 +51,14 @@ def train_measured(cfg: Config, impl: Impl, *, rank: int, steps: int, around: Ar
     (module docstring)."""
     gc.collect()
     with LiveBytes() as live:
-        model = wrap(impl, cfg)
+        per_block = impl in ("ours_fully_shard", "fsdp2")
+        model = shard_per_block(impl, cfg) if per_block else wrap(impl, cfg)
         opt = optimizer_of(cfg, model.parameters())
-        with contextlib.nullcontext() if around is None else around(live, model):
+        with contextlib.nullcontext() if around is None else around(live, model):  # type: ignore[arg-type]  # FSDP1 models only take one
             for step in range(steps):
                 for micro in range(cfg.accumulate):
                     sync = micro == cfg.accumulate - 1
-                    with contextlib.nullcontext() if sync else model.no_sync():
+                    with contextlib.nullcontext() if sync else _no_sync(model, per_block):
                         with live.phase("forward"):
                             loss = loss_of(model, cfg, rank, step)
                         with live.phase(f"backward {step}.{micro}"):
@@ -74,6 +75,20 @@ def train_measured(cfg: Config, impl: Impl, *, rank: int, steps: int, around: Ar
         }
         del model, opt
     return out
+
+
+@contextlib.contextmanager
+def _no_sync(model: object, per_block: bool) -> Iterator[None]:
+    """FSDP1's ``no_sync()``, or FSDP2's ``set_requires_gradient_sync(False)`` for the block."""
+    if not per_block:
+        with model.no_sync():  # type: ignore[attr-defined]  # both FSDP1 wrappers have it
+            yield
+        return
+    model.set_requires_gradient_sync(False)  # type: ignore[attr-defined]  # both FSDPModules have it
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[attr-defined]  # both FSDPModules have it
 
 
 def measure(rank: int, world: int, job: tuple[Config, int, tuple[Impl, ...]]) -> dict[Impl, dict[str, int]]:

@@ -50,8 +50,9 @@ __all__ = [
 ModelName = Literal["mlp", "demo", "gpt2", "llama"]
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd_momentum"]
 Prefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "none"]
-Impl = Literal["ours", "fsdp1"]
-"""Which wrapper: this library's ``FullyShardedDataParallel`` or PyTorch's FSDP1."""
+Impl = Literal["ours", "fsdp1", "ours_fully_shard", "fsdp2"]
+"""Which API: this library's ``FullyShardedDataParallel`` or PyTorch's FSDP1; this library's
+``fully_shard`` or PyTorch's (FSDP2)."""
 
 WIDTH = 64
 """The MLP's width (and its input's)."""
@@ -209,6 +210,37 @@ def optimizer_of(cfg: Config, params: Iterable[nn.Parameter]) -> torch.optim.Opt
             return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
         case _:
             assert_never(cfg.optimizer)
+
+
+def shard_per_block(impl: Impl, cfg: Config) -> nn.Module:
+    """A fresh ``model_of(cfg)`` with ``fully_shard`` (ours or PyTorch's, by ``impl``) applied to
+    every block and then the root, as FSDP2 scripts do: ``SHARD_GRAD_OP`` keeps parameters
+    gathered after forward (``reshard_after_forward=False``), a hybrid strategy shards over a
+    (replicate, shard) mesh, bf16 is ``MixedPrecisionPolicy(bf16, fp32)``. ``ValueError`` for
+    what FSDP2 has no form of (``NO_SHARD``, ``use_orig_params``, offload, prefetch options)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_shell.fsdp2.api import fully_shard
+
+    if cfg.strategy == "NO_SHARD" or cfg.orig or cfg.offload or cfg.forward_prefetch:
+        raise ValueError(f"cfg: {impl} has no form of {cfg}")
+    module, block = model_of(cfg)
+    shape = (cfg.world,) if cfg.shard_size is None else (cfg.world // cfg.shard_size, cfg.shard_size)
+    names = ("shard",) if cfg.shard_size is None else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.bf16
+        else MixedPrecisionPolicy()
+    )
+    reshard = False if cfg.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else None
+    shard = fully_shard if impl == "ours_fully_shard" else torch_fully_shard
+    for m in [m for m in module.modules() if isinstance(m, block)]:
+        shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    return module
 
 
 def wrap(impl: Impl, cfg: Config) -> FullyShardedDataParallel | TorchFSDP:

@@ -81,6 +81,8 @@ class Case:
     bf16: bool = False
     micro: int = 1
     """Micro-batches per step; all but the last without gradient sync (1-D) or all-reduce (2-D)."""
+    sync_every_micro: bool = False
+    """Every micro-batch reduces (the next accumulates into the ``.grad`` the last one left)."""
     frozen: bool = False
     """Freeze the first block's ``up``, and leave the last block's ``scale`` out (ignored)."""
     tied: bool = False
@@ -100,7 +102,7 @@ class Case:
         flags += [("compiled", self.compiled), ("clip", self.clip)]
         parts += [name for name, on in flags if on]
         if self.micro > 1:
-            parts.append(f"micro{self.micro}")
+            parts.append(f"micro{self.micro}" + ("-synced" if self.sync_every_micro else ""))
         return "-".join(parts)
 
 
@@ -113,6 +115,7 @@ CASES = [
     Case(4, (4, 1), reshard=False, frozen=True),
     Case(4, (1, 4), tied=True, bf16=True, checkpointed=True, clip=True),
     Case(2, (2,), compiled=True, clip=True, steps=2),
+    Case(2, (2,), micro=2, sync_every_micro=True, bf16=True),
 ]
 
 
@@ -149,7 +152,7 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, batches: list[torc
     total = 0.0
     for k, tokens in enumerate(batches):
         last = k == len(batches) - 1
-        if case.micro > 1:
+        if case.micro > 1 and not case.sync_every_micro:
             if len(case.mesh) == 2 and case.mesh[0] > 1:
                 model.set_requires_all_reduce(last)  # type: ignore[operator]  # FSDPModule's (both libraries')
             else:
@@ -211,10 +214,10 @@ def _collectives(case: Case, ours: Net) -> list[str]:
     for kind, n in state.ctx.log.counts.items():
         counts[(kind.op, kind.group)] = counts.get((kind.op, kind.group), 0) + n
     two_d = len(case.mesh) == 2  # a 2-D mesh all-reduces over its replicate dimension, of one rank too
-    per_step = case.micro if two_d and case.mesh[0] > 1 else 1
+    per_step = case.micro if (two_d and case.mesh[0] > 1) or case.sync_every_micro else 1
     want = {("reduce_scatter", Group.SHARD): 4 * case.steps * per_step}
     if two_d:
-        want[("all_reduce", Group.REPLICATE)] = 4 * case.steps
+        want[("all_reduce", Group.REPLICATE)] = 4 * case.steps * (case.micro if case.sync_every_micro else 1)
     got = {k: v for k, v in counts.items() if k[0] != "all_gather"}
     return [] if got == want else [f"reductions {got}, expected {want}"]
 
