@@ -200,6 +200,19 @@ class ParamGroup:
             out.append(torch.zeros(p.shape, dtype=self.dtypes.compute, device=self.device) if g is None else g)
         return tuple(out)
 
+    def restore_pending(self) -> None:
+        """Before a backward computes this unit's gradients: unsharded gradients kept from
+        ``no_sync`` backwards in the compute dtype go back into the unsharded parameters' ``.grad``,
+        so autograd adds the new ones into them in place, as it does for FSDP2's (the plan then
+        finds them accumulated, and no second copy is held). Kept in another dtype (the reduce
+        dtype), they stay for the plan to add into."""
+        pending = self.carried.get(InputRole.PENDING_UNSHARDED)
+        if not isinstance(pending, tuple) or any(t.dtype != self.dtypes.compute for t in pending):
+            return
+        del self.carried[InputRole.PENDING_UNSHARDED]
+        for i, g in zip(self.grad_index, pending):
+            self.unsharded[i].grad = g
+
     @property
     def has_grads(self) -> bool:
         """Whether any unsharded parameter got a gradient this backward."""

@@ -308,6 +308,7 @@ def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torc
         with ctx.log.during(Phase.PRE_BACKWARD):
             group.unshard(ctx.runtime(state.mesh))
         group.use_unsharded()
+        group.restore_pending()
     return grad
 
 

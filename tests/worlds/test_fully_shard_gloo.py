@@ -7,7 +7,8 @@ included); ``reshard_after_forward`` None, True and False; bf16 parameters with 
 and an fp32 ``output_dtype``; gradient accumulation without sync, and HSDP without the
 all-reduce, until the last micro-batch; frozen and ignored parameters; tied embeddings; a
 dimension-0 size that does not divide (9 rows) and ``Shard(1)``; activation checkpointing and
-``torch.compile`` per block before sharding; ``clip_grad_norm_`` on the DTensor gradients. Checkpoints saved by either
+``torch.compile`` per block before sharding; ``clip_grad_norm_`` on the DTensor gradients; tiny
+Hugging Face GPT-2 (tied embeddings) and Llama (grouped as torchtitan groups it). Checkpoints saved by either
 library with ``torch.distributed.checkpoint`` load into the other, which trains on identically.
 """
 
@@ -37,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_core import Group
 from fsdp_shell import FSDPModule, fully_shard
 from fsdp_shell.fsdp2.state import state_of
+from fsdp_shell.memory.workload import HF_VOCAB, hf_model
 from tests.worlds.dist_harness import run_world
 
 VOCAB, DIM = 16, 8
@@ -276,3 +278,54 @@ def checkpoints_interchange(rank: int, world: int, path: str) -> list[str]:
 
 def test_checkpoints_interchange_with_pytorchs_fsdp2_both_ways(tmp_path: Any) -> None:
     assert run_world(2, checkpoints_interchange, str(tmp_path), timeout=240) == [[], []]
+
+
+# -- Hugging Face models -----------------------------------------------------------------------------
+
+
+def _hf_sharded(kind: str, shard: Any, mesh: DeviceMesh) -> nn.Module:
+    """The tiny model of ``kind``: GPT-2 per block then the root (its output layer tied to its
+    embedding, both in the root's unit); Llama grouped as torchtitan groups it: the embedding,
+    each layer, ``[norm, output]``, then the root."""
+    model, block = hf_model(kind)
+    if kind == "llama":
+        inner: Any = model.model
+        shard(inner.embed_tokens, mesh=mesh)
+        for layer in inner.layers:
+            shard(layer, mesh=mesh)
+        shard([inner.norm, model.lm_head], mesh=mesh)
+    else:
+        for m in [m for m in model.modules() if isinstance(m, block)]:
+            shard(m, mesh=mesh)
+    shard(model, mesh=mesh)
+    return model
+
+
+def hf_against_fsdp2(rank: int, world: int, kind: str) -> list[str]:
+    """Problems on this rank (none when both libraries trained the model alike)."""
+    mesh = init_device_mesh("cpu", (world,))
+    models = [_hf_sharded(kind, shard, mesh) for shard in (torch_fully_shard, fully_shard)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    problems = []
+    for step in range(3):
+        ids = torch.randint(0, HF_VOCAB, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if abs(losses[0] - losses[1]) > 1e-6:
+            problems.append(f"step {step}: loss {losses[1]} where FSDP2's is {losses[0]}")
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert isinstance(p, DTensor) and isinstance(q, DTensor)
+        worst = (p.full_tensor() - q.full_tensor()).abs().max().item()
+        if worst > 1e-6:
+            problems.append(f"{name}: differs from FSDP2's by {worst:.3g}")
+    return problems
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_models_train_as_with_pytorchs_fully_shard(kind: str) -> None:
+    assert run_world(2, hf_against_fsdp2, kind, timeout=240) == [[], []]
