@@ -5,11 +5,13 @@ every parameter (``full_tensor()``) agree to 1e-6, in fp32 and in bf16 (against 
 The cases cover the options pairwise: 2 and 4 ranks; 1-D and 2-D meshes (a shard group of one
 included); ``reshard_after_forward`` None, True and False; bf16 parameters with fp32 reduction
 and an fp32 ``output_dtype``; gradient accumulation without sync, and HSDP without the
-all-reduce, until the last micro-batch; frozen and ignored parameters; tied embeddings; a
-dimension-0 size that does not divide (9 rows) and ``Shard(1)``; activation checkpointing and
-``torch.compile`` per block before sharding; ``clip_grad_norm_`` on the DTensor gradients; tiny
-Hugging Face GPT-2 (tied embeddings) and Llama (grouped as torchtitan groups it). Checkpoints saved by either
-library with ``torch.distributed.checkpoint`` load into the other, which trains on identically.
+all-reduce, until the last micro-batch, and into the ``.grad`` a synced micro-batch left; frozen
+and ignored parameters; tied embeddings; a dimension-0 size that does not divide (9 rows) and
+``Shard(1)``; activation checkpointing and ``torch.compile`` per block before sharding;
+``clip_grad_norm_`` on the DTensor gradients; tiny Hugging Face GPT-2 (tied embeddings) and Llama
+(grouped as torchtitan groups it). Checkpoints saved by either library with
+``torch.distributed.checkpoint`` load into the other, which trains on identically. Exact live
+bytes (``LiveBytes``) are the same from run to run and at most FSDP2's at every phase.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_core import Group
 from fsdp_shell import FSDPModule, fully_shard
 from fsdp_shell.fsdp2.state import state_of
-from fsdp_shell.memory.workload import HF_VOCAB, hf_model
+from fsdp_shell.memory.measure import PHASES, train_measured
+from fsdp_shell.memory.workload import HF_VOCAB, Config, hf_model
 from tests.worlds.dist_harness import run_world
 
 VOCAB, DIM = 16, 8
@@ -329,3 +332,23 @@ def hf_against_fsdp2(rank: int, world: int, kind: str) -> list[str]:
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hugging_face_models_train_as_with_pytorchs_fully_shard(kind: str) -> None:
     assert run_world(2, hf_against_fsdp2, kind, timeout=240) == [[], []]
+
+
+# -- live bytes ----------------------------------------------------------------------------------
+
+
+def live_bytes(rank: int, world: int, cfg: Config) -> list[str]:
+    """Problems on this rank: ours measured twice must agree to the byte, and hold at most
+    FSDP2's bytes at every phase (``fsdp_shell.memory.measure``: exact live storage bytes)."""
+    first, second = (train_measured(cfg, "ours_fully_shard", rank=rank, steps=2) for _ in range(2))
+    theirs = train_measured(cfg, "fsdp2", rank=rank, steps=2)
+    problems = [] if first == second else [f"ours differ between runs: {first} then {second}"]
+    problems += [f"{k}: {first[k]:,} bytes where FSDP2 holds {theirs[k]:,}" for k in PHASES if first[k] > theirs[k]]
+    return problems
+
+
+@pytest.mark.parametrize(
+    "cfg", [Config("FULL_SHARD", bf16=True, accumulate=2), Config("HYBRID_SHARD")], ids=["bf16-no_sync", "hybrid"]
+)
+def test_live_bytes_are_repeatable_and_at_most_fsdp2s(cfg: Config) -> None:
+    assert run_world(cfg.world, live_bytes, cfg, timeout=240) == [[]] * cfg.world
