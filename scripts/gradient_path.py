@@ -1,6 +1,7 @@
 """The gradient path, traced: every library function that runs, on any thread, during the
 steady-state ``loss.backward()`` of a one-unit model (``Linear(10, 9)``, FULL_SHARD, 2 gloo
-ranks), for this library and for PyTorch's FSDP2 (``fully_shard``) on the same model.
+ranks), for this library's FSDP1 API, PyTorch's FSDP2 (``fully_shard``) and this library's
+``fully_shard`` on the same model.
 
 Run on demand: ``python scripts/gradient_path.py [--json] [--list]``. Prints, per
 implementation, the distinct functions and files that ran and how often the call sequence moved
@@ -87,6 +88,7 @@ def trace_rank(rank: int, world: int, arg: None) -> dict[str, dict[str, Any]]:
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_shell import FSDP
+    from fsdp_shell import fully_shard as ours_fully_shard
 
     tracer = _Tracer()
     torch.manual_seed(0)
@@ -96,7 +98,9 @@ def trace_rank(rank: int, world: int, arg: None) -> dict[str, dict[str, Any]]:
     sharded = nn.Linear(10, 9)
     fully_shard(sharded, mesh=mesh)
     fsdp2 = _trace(tracer, sharded, x, (TORCH_FSDP,))
-    return {"ours": ours, "fsdp2": fsdp2}
+    mine = nn.Linear(10, 9)
+    ours_fully_shard(mine, mesh=mesh)
+    return {"ours": ours, "fsdp2": fsdp2, "ours_fully_shard": _trace(tracer, mine, x, OURS)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     for name, r in result.items():
-        print(f"{name:6} {r['functions']:3} functions in {r['files']:2} files, {r['file_changes']} file changes")
+        print(f"{name:16} {r['functions']:3} functions in {r['files']:2} files, {r['file_changes']} file changes")
         if args.list:
             for f in r["listed"]:
                 print(f"         {f}")

@@ -259,7 +259,7 @@ class FSDPModule:
         state = self._state()
         ctx = lazy_init(state)
         if state.group is not None:
-            state.group.unshard(ctx.runtime(state.mesh))
+            state.group.unshard(ctx.runtime(state.mesh))  # the root's, for this mesh
             state.group.use_unsharded()
         return UnshardHandle() if async_op else None
 

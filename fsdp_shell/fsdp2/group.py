@@ -24,10 +24,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from fsdp_core import InputRole, PerParamLayout, Plan, ShardView, UnitDtypes
+from fsdp_core import InputRole, PerParamLayout, Plan, ShardedParam, ShardView, UnitDtypes
 from fsdp_shell.runtime.collectives import release
 from fsdp_shell.runtime.protocol import Runtime
-from fsdp_shell.units.grads import Grads, one_tensor
+from fsdp_shell.units.grads import Grads
 from fsdp_shell.units.per_param import copy_in, copy_out_into, padded_shard
 
 __all__ = ["ParamGroup", "Slot"]
@@ -63,6 +63,16 @@ class ParamGroup:
             if self.grad_index
             else None
         )
+        self._meta = [_dtensor_meta(spec, mesh.ndim) for spec in layout.params]
+        """Per parameter: its placements, global shape and stride (every ``DTensor`` of it)."""
+        self._views: list[tuple[int, int, torch.Size]] = []
+        """Per parameter that takes gradients: offset, numel and shape of this rank's shard in
+        the reduced gradient (its ``.grad``'s local tensor), worked out once."""
+        if self.reduce_layout is not None:
+            r = self.reduce_layout
+            for j, spec in enumerate(r.params):
+                numel = r.rows(j, self.rank) * spec.row_numel
+                self._views.append((r.shard_offsets[j], numel, torch.Size(r.sharded_shape(j, self.rank))))
         self._padded: list[torch.Tensor] = []
         self.sharded: list[nn.Parameter] = []
         for i, p in enumerate(params):
@@ -84,8 +94,12 @@ class ParamGroup:
                 else torch.empty(spec.shape, dtype=dtypes.compute, device=device)
             )
             self.unsharded.append(nn.Parameter(whole, requires_grad=p.requires_grad))
-        for t in self._own_storages():
-            t.untyped_storage().resize_(0)
+        others = [u for u, spec in zip(self.unsharded, layout.params) if spec.shard_dim != 0]
+        self._own_storages = [t.untyped_storage() for t in (*self._stacked, *others)]
+        """What the unsharded parameters' memory is: freed and refilled."""
+        self._own_nbytes = [t.numel() * t.element_size() for t in (*self._stacked, *others)]
+        for storage in self._own_storages:
+            storage.resize_(0)
         self.gathered = False
         """Whether the unsharded parameters hold the gathered values."""
         self.carried: dict[InputRole, Grads] = {}
@@ -100,21 +114,9 @@ class ParamGroup:
 
     # -- DTensors ---------------------------------------------------------------------------
 
-    @property
-    def placements(self) -> tuple[Placement, ...]:
-        return tuple(self._placements(0))
-
-    def _placements(self, index: int) -> list[Placement]:
-        shard: Placement = Shard(self.layout.params[index].shard_dim)
-        return [Replicate(), shard] if self.mesh.ndim == 2 else [shard]
-
     def _dtensor(self, index: int, local: torch.Tensor) -> DTensor:
-        spec = self.layout.params[index]
-        shape = torch.Size(spec.shape)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(
-            local, self.mesh, self._placements(index), run_check=False, shape=shape, stride=stride
-        )
+        placements, shape, stride = self._meta[index]
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
 
     # -- which tensors the modules hold ---------------------------------------------------
 
@@ -149,18 +151,14 @@ class ParamGroup:
 
     # -- gathering and freeing ------------------------------------------------------------------
 
-    def _own_storages(self) -> list[torch.Tensor]:
-        dim_other = [u for u, spec in zip(self.unsharded, self.layout.params) if spec.shard_dim != 0]
-        return [*self._stacked, *dim_other]
-
     def unshard(self, runtime: Runtime) -> None:
         """Gather every parameter into its unsharded tensor (no-op when gathered): the padded
         shards copied into this rank's slice of one buffer (cast to the compute dtype), one
         all-gather in place, the copy-out into the unsharded parameters' memory."""
         if self.gathered:
             return
-        for t in self._own_storages():
-            t.untyped_storage().resize_(t.numel() * t.element_size())
+        for storage, nbytes in zip(self._own_storages, self._own_nbytes):
+            storage.resize_(nbytes)
         layout = self.layout
         gathered = torch.empty(layout.padded_numel, dtype=self.dtypes.compute, device=self.device)
         with torch.no_grad():
@@ -182,8 +180,8 @@ class ParamGroup:
         """Reshard: the unsharded parameters' memory goes back (``PlanOwner``)."""
         if not self.gathered:
             return
-        for t in self._own_storages():
-            t.untyped_storage().resize_(0)
+        for storage in self._own_storages:
+            storage.resize_(0)
         self.gathered = False
 
     # -- gradients ----------------------------------------------------------------------------
@@ -251,20 +249,17 @@ class ParamGroup:
     def expose_views(self, value: Grads, views: tuple[ShardView, ...]) -> None:
         """The reduced gradient becomes the sharded parameters' ``.grad``: each a ``DTensor``
         over its view of ``value`` (FSDP2's ``as_strided`` of the reduce output)."""
-        del views  # the plan's views are the reduce layout's, which ``_show`` reads
-        self._show(one_tensor(value, "a per-parameter unit's reduced gradient"))
+        del views  # the plan's views are the reduce layout's, worked out once (``_views``)
+        assert isinstance(value, torch.Tensor), "a reduced gradient is one tensor"
+        self._show(value)
 
     def _show(self, reduced: torch.Tensor) -> None:
-        layout = self.reduce_layout
-        assert layout is not None
         ptrs = []
-        for j, i in enumerate(self.grad_index):
-            rows = layout.rows(j, self.rank)
-            numel = rows * layout.params[j].row_numel
-            local = reduced.narrow(0, layout.shard_offsets[j], numel).view(layout.sharded_shape(j, self.rank))
-            with torch.no_grad():
+        with torch.no_grad():
+            for i, (offset, numel, shape) in zip(self.grad_index, self._views):
+                local = reduced.narrow(0, offset, numel).view(shape)
                 self.sharded[i].grad = self._dtensor(i, local)
-            ptrs.append(local.data_ptr())
+                ptrs.append(local.data_ptr())
         self._shown_base = weakref.ref(reduced)
         self._shown_ptrs = tuple(ptrs)
 
@@ -284,6 +279,15 @@ class ParamGroup:
 
     def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError("offload_policy: CPUOffloadPolicy is not supported by fsdp_shell's fully_shard yet")
+
+
+def _dtensor_meta(spec: ShardedParam, mesh_dims: int) -> tuple[tuple[Placement, ...], torch.Size, tuple[int, ...]]:
+    """A parameter's placements on a mesh of ``mesh_dims`` dimensions (``Shard(dim)``, after
+    ``Replicate()`` on a 2-D mesh), its global shape and contiguous stride."""
+    shard: Placement = Shard(spec.shard_dim)
+    shape = torch.Size(spec.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return ((Replicate(), shard) if mesh_dims == 2 else (shard,)), shape, stride
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,8 @@ class FSDPState:
         when they change), so a backward looks its plan up without building a request."""
         self.ctx: RootContext | None = None
         self.is_root = False
+        self.runtime: Runtime | None = None
+        """Where the unit's collectives and plans run (its root's, for its mesh; set at lazy init)."""
         if group is not None:
             me = weakref.ref(self)
             for i in group.grad_index:
@@ -164,6 +166,11 @@ def _to_sharded(group: ParamGroup, *args: Any, **kwargs: Any) -> None:
     group.to_sharded()
 
 
+def _runtime(state: FSDPState) -> Runtime:
+    assert state.runtime is not None, "a state's runtime is set at its root's lazy init"
+    return state.runtime
+
+
 def state_of(module: nn.Module) -> FSDPState | None:
     """The ``fully_shard`` state of ``module``, if it was given to ``fully_shard``."""
     value = module.__dict__.get(STATE_ATTR)
@@ -181,6 +188,8 @@ class RootContext:
         self.plans = PlanCache(verify=True)
         self.iteration = _Iteration()
         self._runtimes: dict[int, tuple[ProcessGroups, Runtime]] = {}
+        self.all_runtimes: list[Runtime] = []
+        """Every runtime of the root's meshes (``runtimes``, fixed at lazy init)."""
 
     def groups(self, mesh: DeviceMesh) -> ProcessGroups:
         return self._entry(mesh)[0]
@@ -199,7 +208,9 @@ class RootContext:
             entry = self._runtimes[id(mesh)] = (groups, make_runtime(device, groups, self.log))
         return entry
 
+    @property
     def runtimes(self) -> list[Runtime]:
+        """Every runtime of the root's meshes."""
         return [r for _, r in self._runtimes.values()]
 
 
@@ -225,6 +236,8 @@ def lazy_init(state: FSDPState) -> RootContext:
     for s in states:
         s.ctx = ctx
         s.is_root = s is state
+        s.runtime = ctx.runtime(s.mesh)
+    ctx.all_runtimes = ctx.runtimes
     return ctx
 
 
@@ -249,7 +262,7 @@ def _pre_forward(
     group = state.group
     if group is not None:
         with ctx.log.during(Phase.FORWARD):
-            group.unshard(ctx.runtime(state.mesh))
+            group.unshard(_runtime(state))
         group.use_unsharded()
         if torch.is_grad_enabled() and group.grad_index:
             _hook_inputs(state, ctx, (args, kwargs))
@@ -287,7 +300,7 @@ def _begin_iteration(ctx: RootContext) -> None:
     waited for."""
     if ctx.iteration.backward_started:
         abandon_backward(ctx)
-    for runtime in ctx.runtimes():
+    for runtime in ctx.all_runtimes:
         runtime.settle()
 
 
@@ -306,7 +319,7 @@ def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torc
     if group is not None and id(state) not in it.prepared:
         it.prepared.add(id(state))
         with ctx.log.during(Phase.PRE_BACKWARD):
-            group.unshard(ctx.runtime(state.mesh))
+            group.unshard(_runtime(state))
         group.use_unsharded()
         group.restore_pending()
     return grad
@@ -352,7 +365,7 @@ def post_backward(state: FSDPState) -> None:
     it.reduced.add(id(state))
     group.reclaim()
     plan = state.step_plan(frozenset(group.carried))
-    run = PlanRun(plan, ctx.runtime(state.mesh), group, group.take_grads())
+    run = PlanRun(plan, _runtime(state), group, group.take_grads())
     group.use_sharded()
     with ctx.log.during(Phase.POST_BACKWARD):
         run.run_hook_ops()
@@ -372,7 +385,7 @@ def end_of_backward(ctx: RootContext) -> None:
         with ctx.log.during(Phase.END_OF_BACKWARD):
             for run in it.runs:
                 run.run_callback_ops()
-            for runtime in ctx.runtimes():
+            for runtime in ctx.all_runtimes:
                 runtime.settle()
     finally:
         for state in ctx.states:
@@ -388,7 +401,7 @@ def end_of_backward(ctx: RootContext) -> None:
 def abandon_backward(ctx: RootContext) -> None:
     """The previous backward did not finish: its half-done work is dropped, every unit resharded."""
     ctx.iteration = _Iteration()
-    for runtime in ctx.runtimes():
+    for runtime in ctx.all_runtimes:
         with contextlib.suppress(RuntimeError):
             runtime.drain()
     for state in ctx.states:
