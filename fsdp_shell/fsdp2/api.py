@@ -270,27 +270,28 @@ class FSDPModule:
             group.free_unsharded()
             group.use_sharded()
 
+    def _set(self, recurse: bool, name: str, value: bool) -> None:
+        """One boolean setting, on this module's state and (``recurse``) every one under it."""
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {value!r}")
+        for s in self._states(recurse):
+            s.change(**{name: value})
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether backward reduces gradients (False: accumulate unsharded, FSDP2's ``no_sync``)."""
-        _bool("requires_gradient_sync", requires_gradient_sync)
-        for s in self._states(recurse):
-            s.change(requires_gradient_sync=requires_gradient_sync)
+        self._set(recurse, "requires_gradient_sync", requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether backward all-reduces across replicas (False: keep the partial reduction)."""
-        _bool("requires_all_reduce", requires_all_reduce)
-        for s in self._states(recurse):
-            s.change(requires_all_reduce=requires_all_reduce)
+        self._set(recurse, "requires_all_reduce", requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        _bool("reshard_after_forward", reshard_after_forward)
-        for s in self._states(recurse):
-            s.change(reshard_after_forward=reshard_after_forward)
+        """Whether the modules free their unsharded parameters after forward."""
+        self._set(recurse, "reshard_after_forward", reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        _bool("reshard_after_backward", reshard_after_backward)
-        for s in self._states(recurse):
-            s.change(reshard_after_backward=reshard_after_backward)
+        """Whether the modules free their unsharded parameters after backward."""
+        self._set(recurse, "reshard_after_backward", reshard_after_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the reduced gradient's sum by ``factor`` instead of the data-parallel size."""

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_core import ShardingStrategy
-from fsdp_shell import FSDP
+from fsdp_shell import FSDP, fully_shard
 from tests.worlds.runtime_cases import Layer, batch, train_step
 
 # -- the hybrid all-reduce overlaps later backward compute ---------------------------------
@@ -60,18 +60,28 @@ class Overlap:
     """Each unit's backward compute on the host thread."""
 
 
-def hybrid_overlap(rank: int, world: int, arg: None) -> Overlap:
+def hybrid_overlap(rank: int, world: int, api: str | None) -> Overlap:
     """One HYBRID_SHARD step (``world`` replicas of one rank each: on a 2-core machine more
-    ranks only time-slice) of a model whose units take milliseconds of backward each."""
+    ranks only time-slice) of a model whose units take milliseconds of backward each; with
+    ``api="fully_shard"`` each layer and the root through ``fsdp_shell.fully_shard`` on the same
+    mesh instead of the FSDP1 API's wrapper."""
     torch.set_num_threads(1)
     width, depth, rows = 1024, 4, 256
     marks: list[tuple[tuple[int, str], float]] = []
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, width), *(TimedLayer(width, marks) for _ in range(depth)), nn.Linear(width, 1))
-    model = FSDP(
-        module, sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy={TimedLayer}, device_mesh=mesh
-    )
+    model: nn.Module
+    if api == "fully_shard":
+        for unit in module:
+            if isinstance(unit, TimedLayer):
+                fully_shard(unit, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        model = module
+    else:
+        model = FSDP(
+            module, sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy={TimedLayer}, device_mesh=mesh
+        )
     replicate = mesh.get_group(0)
     seen = Overlap()
     issue = dist.all_reduce

@@ -43,6 +43,7 @@ from fsdp_shell.fsdp2.state import state_of
 from fsdp_shell.memory.measure import PHASES, train_measured
 from fsdp_shell.memory.workload import HF_VOCAB, Config, hf_model
 from tests.worlds.dist_harness import run_world
+from tests.worlds.runtime_overlap_cases import MEASURED_STEPS, hybrid_overlap
 
 VOCAB, DIM = 16, 8
 
@@ -352,3 +353,15 @@ def live_bytes(rank: int, world: int, cfg: Config) -> list[str]:
 )
 def test_live_bytes_are_repeatable_and_at_most_fsdp2s(cfg: Config) -> None:
     assert run_world(cfg.world, live_bytes, cfg, timeout=240) == [[]] * cfg.world
+
+
+# -- the HSDP all-reduce overlaps later backward compute -----------------------------------------
+
+
+def test_the_hsdp_all_reduce_runs_during_later_backward_compute() -> None:
+    """The same plan and runtime as the FSDP1 API's (``tests/worlds/test_runtime_gloo.py``): each
+    unit's replicate all-reduce runs on the lane while the host computes later units' backward;
+    their wall-clock intervals intersect."""
+    for rank, seen in enumerate(run_world(2, hybrid_overlap, "fully_shard", timeout=300)):
+        overlapped = [(s, e) for s, e in seen.all_reduces if any(bs < e and s < be for bs, be in seen.backward)]
+        assert len(overlapped) >= MEASURED_STEPS, f"rank {rank}: {seen}"
