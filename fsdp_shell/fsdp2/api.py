@@ -164,11 +164,6 @@ def _managed(
             if maybe is None or maybe in ignored:
                 continue
             p = maybe
-            if p.is_meta:
-                raise NotImplementedError(
-                    f"module: parameter {names_of.get(id(p), name)!r} is on the meta device; meta-device "
-                    "initialization (to_empty after fully_shard) is not supported by fsdp_shell's fully_shard yet"
-                )
             if isinstance(p, DTensor):
                 raise NotImplementedError(
                     f"module: parameter {names_of.get(id(p), name)!r} is already a DTensor (tensor "

@@ -17,7 +17,7 @@ the planner builds for the reduce layout, run by the interpreter.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -73,33 +73,25 @@ class ParamGroup:
             for j, spec in enumerate(r.params):
                 numel = r.rows(j, self.rank) * spec.row_numel
                 self._views.append((r.shard_offsets[j], numel, torch.Size(r.sharded_shape(j, self.rank))))
+        on_meta = any(p.is_meta for p in params)
         self._padded: list[torch.Tensor] = []
         self.sharded: list[nn.Parameter] = []
         for i, p in enumerate(params):
-            with torch.no_grad():
-                padded = padded_shard(layout, i, p.detach().to(device), self.rank)
+            if on_meta:  # shapes only, until ``to_empty`` and ``materialize``
+                padded = torch.empty(layout.padded_sharded_shape(i), dtype=p.dtype, device="meta")
+            else:
+                with torch.no_grad():
+                    padded = padded_shard(layout, i, p.detach().to(device), self.rank)
             self._padded.append(padded)
-            spec = layout.params[i]
-            local = padded.narrow(spec.shard_dim, 0, layout.rows(i, self.rank))
+            local = padded.narrow(layout.params[i].shard_dim, 0, layout.rows(i, self.rank))
             self.sharded.append(nn.Parameter(self._dtensor(i, local), requires_grad=p.requires_grad))
-        self._stacked = [
-            torch.empty(layout.gathered_shape(i), dtype=dtypes.compute, device=device) for i in range(len(params))
-        ]
+        self._on_grad: Callable[[torch.Tensor], None] | None = None
         self.unsharded: list[nn.Parameter] = []
-        for i, (p, stacked) in enumerate(zip(params, self._stacked)):
-            spec = layout.params[i]
-            whole = (
-                stacked.narrow(0, 0, spec.rows)
-                if spec.shard_dim == 0
-                else torch.empty(spec.shape, dtype=dtypes.compute, device=device)
-            )
-            self.unsharded.append(nn.Parameter(whole, requires_grad=p.requires_grad))
-        others = [u for u, spec in zip(self.unsharded, layout.params) if spec.shard_dim != 0]
-        self._own_storages = [t.untyped_storage() for t in (*self._stacked, *others)]
+        self._stacked: list[torch.Tensor] = []
+        self._own_storages: list[torch.UntypedStorage] = []
         """What the unsharded parameters' memory is: freed and refilled."""
-        self._own_nbytes = [t.numel() * t.element_size() for t in (*self._stacked, *others)]
-        for storage in self._own_storages:
-            storage.resize_(0)
+        self._own_nbytes: list[int] = []
+        self._build_unsharded(torch.device("meta") if on_meta else device)
         self.gathered = False
         """Whether the unsharded parameters hold the gathered values."""
         self.carried: dict[InputRole, Grads] = {}
@@ -113,6 +105,67 @@ class ParamGroup:
         self.use_sharded()
 
     # -- DTensors ---------------------------------------------------------------------------
+
+    def _build_unsharded(self, device: torch.device) -> None:
+        """Each parameter's unsharded ``nn.Parameter`` (for dimension 0 a view of its stacked
+        chunks, the all-gather's copy-out), memory freed; on the meta device only shapes."""
+        layout, compute = self.layout, self.dtypes.compute
+        self._stacked = [
+            torch.empty(layout.gathered_shape(i), dtype=compute, device=device) for i in range(len(layout.params))
+        ]
+        self.unsharded = []
+        for spec, stacked, sharded in zip(layout.params, self._stacked, self.sharded):
+            if spec.shard_dim == 0:
+                whole = stacked.narrow(0, 0, spec.rows)
+            else:
+                whole = torch.empty(spec.shape, dtype=compute, device=device)
+            self.unsharded.append(nn.Parameter(whole, requires_grad=sharded.requires_grad))
+        others = [u for u, spec in zip(self.unsharded, layout.params) if spec.shard_dim != 0]
+        owned = (*self._stacked, *others)
+        self._own_storages = [t.untyped_storage() for t in owned]
+        self._own_nbytes = [t.numel() * t.element_size() for t in owned]
+        if device.type != "meta":
+            for storage in self._own_storages:
+                storage.resize_(0)
+        if self._on_grad is not None:
+            self.hook_grads(self._on_grad)
+
+    def hook_grads(self, on_grad: Callable[[torch.Tensor], None]) -> None:
+        """Call ``on_grad(param)`` once autograd has accumulated an unsharded parameter's gradient
+        (every parameter that takes gradients; again after ``materialize`` rebuilds them)."""
+        self._on_grad = on_grad
+        for i in self.grad_index:
+            self.unsharded[i].register_post_accumulate_grad_hook(on_grad)  # type: ignore[no-untyped-call]  # unannotated in torch
+
+    def materialize(self) -> None:
+        """Before the first forward: where ``nn.Module.to_empty``/``to`` (or a load with
+        ``assign=True``) gave a sharded parameter a new local tensor, pad it again and make the
+        parameter's local tensor a view of the padded shard, as FSDP2's ``reset_sharded_param``
+        does; unsharded parameters still on the meta device are built on the new one. Parameters
+        still on the meta device are an error naming the fix."""
+        layout, moved = self.layout, None
+        for i, p in enumerate(self.sharded):
+            assert isinstance(p, DTensor)
+            local = p.to_local()
+            if local.is_meta:
+                raise RuntimeError(
+                    f"module: parameter {layout.params[i].name!r} is still on the meta device at the first forward; "
+                    "call module.to_empty(device=...) and initialize the parameters first"
+                )
+            padded = self._padded[i]
+            if not padded.is_meta and local.numel() and local.data_ptr() == padded.data_ptr():
+                continue
+            spec = layout.params[i]
+            rows = layout.rows(i, self.rank)
+            padded = local.new_zeros(layout.padded_sharded_shape(i))
+            with torch.no_grad():
+                padded.narrow(spec.shard_dim, 0, rows).copy_(local)
+            self._padded[i] = padded
+            p._local_tensor = padded.narrow(spec.shard_dim, 0, rows)
+            moved = local.device
+        if moved is not None and self._stacked and self._stacked[0].device != moved:
+            self.device = moved
+            self._build_unsharded(moved)
 
     def _dtensor(self, index: int, local: torch.Tensor) -> DTensor:
         placements, shape, stride = self._meta[index]

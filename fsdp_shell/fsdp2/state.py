@@ -104,11 +104,7 @@ class FSDPState:
         self.runtime: Runtime | None = None
         """Where the unit's collectives and plans run (its root's, for its mesh; set at lazy init)."""
         if group is not None:
-            me = weakref.ref(self)
-            for i in group.grad_index:
-                group.unsharded[i].register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
-                    functools.partial(_arrived, me)
-                )
+            group.hook_grads(functools.partial(_arrived, weakref.ref(self)))
         if group is not None:
             for holder in group.holders:  # state dicts see the sharded DTensor parameters
                 to_sharded = functools.partial(_to_sharded, group)
@@ -237,6 +233,8 @@ def lazy_init(state: FSDPState) -> RootContext:
         s.ctx = ctx
         s.is_root = s is state
         s.runtime = ctx.runtime(s.mesh)
+        if s.group is not None:
+            s.group.materialize()
     ctx.all_runtimes = ctx.runtimes
     return ctx
 

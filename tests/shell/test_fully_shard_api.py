@@ -133,8 +133,9 @@ def test_other_refusals_name_the_argument(world: None) -> None:
         fully_shard([])
     with torch.device("meta"):
         on_meta = Block()
-    with pytest.raises(NotImplementedError, match=r"^module: parameter 'up.weight' is on the meta device"):
-        fully_shard(on_meta)
+    fully_shard(on_meta)  # shapes only, until to_empty
+    with pytest.raises(RuntimeError, match=r"^module: parameter 'up.weight' is still on the meta device at the first"):
+        on_meta(torch.randn(2, 6))
     with pytest.raises(ValueError, match=r"^params\['up.weight'\]: dimension 1 of size 6 does not divide over 4"):
         fully_shard(Block(), shard_placement_fn=lambda p: Shard(1))
 

@@ -7,7 +7,8 @@ included); ``reshard_after_forward`` None, True and False; bf16 parameters with 
 and an fp32 ``output_dtype``; gradient accumulation without sync, and HSDP without the
 all-reduce, until the last micro-batch, and into the ``.grad`` a synced micro-batch left; frozen
 and ignored parameters; tied embeddings; a dimension-0 size that does not divide (9 rows) and
-``Shard(1)``; activation checkpointing and ``torch.compile`` per block before sharding;
+``Shard(1)``; meta-device init (``to_empty``, then a full state dict); activation checkpointing
+and ``torch.compile`` per block before sharding;
 ``clip_grad_norm_`` on the DTensor gradients; tiny Hugging Face GPT-2 (tied embeddings) and Llama
 (grouped as torchtitan groups it). Checkpoints saved by either library with
 ``torch.distributed.checkpoint`` load into the other, which trains on identically. Exact live
@@ -16,6 +17,7 @@ bytes (``LiveBytes``) are the same from run to run and at most FSDP2's at every 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -98,6 +101,9 @@ class Case:
     """Each block ``compile()``d before sharding (torchtitan's order)."""
     clip: bool = False
     """``torch.nn.utils.clip_grad_norm_`` before every optimizer step."""
+    meta: bool = False
+    """Built on the meta device, sharded, ``to_empty(device="cpu")``, then given the initial
+    values as a full state dict (``set_model_state_dict``), as torchtitan initializes."""
     steps: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -105,7 +111,7 @@ class Case:
     def id(self) -> str:
         parts = [f"w{self.world}", "x".join(map(str, self.mesh)), f"raf-{self.reshard}"]
         flags = [("bf16", self.bf16), ("frozen", self.frozen), ("tied", self.tied), ("ac", self.checkpointed)]
-        flags += [("compiled", self.compiled), ("clip", self.clip)]
+        flags += [("compiled", self.compiled), ("clip", self.clip), ("meta", self.meta)]
         parts += [name for name, on in flags if on]
         if self.micro > 1:
             parts.append(f"micro{self.micro}" + ("-synced" if self.sync_every_micro else ""))
@@ -122,6 +128,7 @@ CASES = [
     Case(4, (1, 4), tied=True, bf16=True, checkpointed=True, clip=True),
     Case(2, (2,), compiled=True, clip=True, steps=2),
     Case(2, (2,), micro=2, sync_every_micro=True, bf16=True),
+    Case(2, (2,), meta=True, tied=True, bf16=True),
 ]
 
 
@@ -130,8 +137,10 @@ def _placement(param: nn.Parameter) -> Shard | None:
 
 
 def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, torch.optim.Optimizer]:
-    model = Net(case.tied)
-    model.load_state_dict(base.state_dict())
+    with torch.device("meta") if case.meta else contextlib.nullcontext():
+        model = Net(case.tied)
+    if not case.meta:
+        model.load_state_dict(base.state_dict())
     ignored: set[nn.Parameter] = set()
     if case.frozen:
         first, last = model.blocks[0], model.blocks[-1]
@@ -151,6 +160,9 @@ def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, to
             b.compile()
         shard(b, shard_placement_fn=_placement, ignored_params=ignored, mp_policy=blocks, **kw)
     shard(model, mp_policy=root, **kw)
+    if case.meta:
+        model.to_empty(device="cpu")
+        set_model_state_dict(model, base.state_dict(), options=StateDictOptions(full_state_dict=True))
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
