@@ -87,16 +87,25 @@ def fully_shard(
         raise TypeError(f"reshard_after_forward: expected None, a bool or an int, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy: expected torch.distributed.fsdp.MixedPrecisionPolicy, got {mp_policy!r}")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("offload_policy: CPUOffloadPolicy is not supported by fsdp_shell's fully_shard yet")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy: expected torch.distributed.fsdp.OffloadPolicy, got {offload_policy!r}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    if offload and mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"offload_policy: CPUOffloadPolicy on a {mesh.device_type} mesh is not supported by fsdp_shell's "
+            "fully_shard yet (on a CPU mesh it is)"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory:
+        raise ValueError(
+            "offload_policy: pin_memory=True pins for an accelerator this CPU mesh has not; pass "
+            "CPUOffloadPolicy(pin_memory=False)"
+        )
     ignored = set() if ignored_params is None else set(ignored_params)
     params, slots, names = _managed(modules, ignored)
     group = None
     if params:
         group = _group(params, slots, names, mesh, shard_placement_fn, mp_policy)
-    state = FSDPState(modules, group, mesh, mp_policy)
+    state = FSDPState(modules, group, mesh, mp_policy, offload=offload)
     state.change(reshard_after_forward=reshard_after_forward)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))

@@ -331,7 +331,9 @@ class ParamGroup:
         self.carried = kept
 
     def host_grad_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError("offload_policy: CPUOffloadPolicy is not supported by fsdp_shell's fully_shard yet")
+        """The host buffer an offloaded gradient is copied into (``CPUOffloadPolicy``; asked only
+        where the device is not the host)."""
+        return torch.empty(numel, dtype=dtype, device="cpu")
 
 
 def _dtensor_meta(spec: ShardedParam, mesh_dims: int) -> tuple[tuple[Placement, ...], torch.Size, tuple[int, ...]]:

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 
 from fsdp_core import (
     BackendCaps,
+    CPUOffload,
     Division,
     DivisionPolicy,
     InputRole,
@@ -89,12 +90,21 @@ class FSDPState:
     mixed-precision policy and settings."""
 
     def __init__(
-        self, modules: tuple[nn.Module, ...], group: ParamGroup | None, mesh: DeviceMesh, mp: MixedPrecisionPolicy
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        mesh: DeviceMesh,
+        mp: MixedPrecisionPolicy,
+        *,
+        offload: bool = False,
     ) -> None:
         self.modules = modules
         self.group = group
         self.mesh = mesh
         self.mp = mp
+        self.offload = offload
+        """``CPUOffloadPolicy``: the reduced gradient is handed off on the host (the plan's
+        ``Offload``; on a CPU mesh the device is the host, so nothing is copied)."""
         self.settings = Settings()
         self._plans: dict[frozenset[InputRole], Plan] = {}
         """This step's plan by the roles the unit carries, under the settings in force (emptied
@@ -152,6 +162,7 @@ class FSDPState:
             layout=group.reduce_layout,
             sharding=sharding,
             mixed_precision=MixedPrecision(param_dtype=self.mp.param_dtype, reduce_dtype=self.mp.reduce_dtype),
+            offload=CPUOffload(offload_params=self.offload),
             division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=caps, factor=s.gradient_divide_factor),
             flags=flags,
             reshard_after_backward=s.reshard_after_backward,

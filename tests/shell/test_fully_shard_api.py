@@ -105,7 +105,7 @@ def test_frozen_parameters_are_sharded_but_only_trainable_ones_are_reduced(world
     [
         ({"reshard_after_forward": 2}, NotImplementedError, "reshard_after_forward: an int"),
         ({"reshard_after_forward": "yes"}, TypeError, "reshard_after_forward: expected None, a bool"),
-        ({"offload_policy": CPUOffloadPolicy()}, NotImplementedError, "offload_policy: CPUOffloadPolicy"),
+        ({"offload_policy": CPUOffloadPolicy()}, ValueError, "offload_policy: pin_memory=True pins for an"),
         ({"mp_policy": "bf16"}, TypeError, "mp_policy: expected torch.distributed.fsdp.MixedPrecisionPolicy"),
         ({"mesh": "cpu"}, TypeError, "mesh: expected a DeviceMesh"),
         ({"shard_placement_fn": lambda p: Replicate()}, TypeError, "shard_placement_fn: expected Shard"),

@@ -7,12 +7,13 @@ included); ``reshard_after_forward`` None, True and False; bf16 parameters with 
 and an fp32 ``output_dtype``; gradient accumulation without sync, and HSDP without the
 all-reduce, until the last micro-batch, and into the ``.grad`` a synced micro-batch left; frozen
 and ignored parameters; tied embeddings; a dimension-0 size that does not divide (9 rows) and
-``Shard(1)``; meta-device init (``to_empty``, then a full state dict); activation checkpointing
-and ``torch.compile`` per block before sharding;
+``Shard(1)``; ``CPUOffloadPolicy(pin_memory=False)``; meta-device init (``to_empty``, then a full
+state dict); activation checkpointing and ``torch.compile`` per block before sharding;
 ``clip_grad_norm_`` on the DTensor gradients; tiny Hugging Face GPT-2 (tied embeddings) and Llama
 (grouped as torchtitan groups it). Checkpoints saved by either library with
 ``torch.distributed.checkpoint`` load into the other, which trains on identically. Exact live
-bytes (``LiveBytes``) are the same from run to run and at most FSDP2's at every phase.
+bytes (``LiveBytes``) are the same from run to run and at most FSDP2's at every phase; the HSDP
+all-reduce overlaps later backward compute.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -101,6 +102,8 @@ class Case:
     """Each block ``compile()``d before sharding (torchtitan's order)."""
     clip: bool = False
     """``torch.nn.utils.clip_grad_norm_`` before every optimizer step."""
+    offload: bool = False
+    """``CPUOffloadPolicy(pin_memory=False)`` (on the CPU the device is the host)."""
     meta: bool = False
     """Built on the meta device, sharded, ``to_empty(device="cpu")``, then given the initial
     values as a full state dict (``set_model_state_dict``), as torchtitan initializes."""
@@ -111,7 +114,7 @@ class Case:
     def id(self) -> str:
         parts = [f"w{self.world}", "x".join(map(str, self.mesh)), f"raf-{self.reshard}"]
         flags = [("bf16", self.bf16), ("frozen", self.frozen), ("tied", self.tied), ("ac", self.checkpointed)]
-        flags += [("compiled", self.compiled), ("clip", self.clip), ("meta", self.meta)]
+        flags += [("compiled", self.compiled), ("clip", self.clip), ("meta", self.meta), ("offload", self.offload)]
         parts += [name for name, on in flags if on]
         if self.micro > 1:
             parts.append(f"micro{self.micro}" + ("-synced" if self.sync_every_micro else ""))
@@ -121,7 +124,7 @@ class Case:
 CASES = [
     Case(2, (2,)),
     Case(2, (2,), reshard=False, bf16=True),
-    Case(4, (4,), reshard=True, micro=2),
+    Case(4, (4,), reshard=True, micro=2, offload=True),
     Case(4, (2, 2), bf16=True, micro=2),
     Case(2, (2,), frozen=True, tied=True),
     Case(4, (4, 1), reshard=False, frozen=True),
@@ -148,6 +151,8 @@ def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, to
         first.up.requires_grad_(False)
         ignored = {last.scale}
     kw: dict[str, Any] = {"mesh": mesh}
+    if case.offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if case.reshard is not None:
         kw["reshard_after_forward"] = case.reshard
     blocks, root = MixedPrecisionPolicy(), MixedPrecisionPolicy()
