@@ -351,8 +351,10 @@ class FSDPModule:
     def set_custom_reduce_scatter(self, comm: object) -> NoReturn:
         _unsupported("set_custom_reduce_scatter", "custom collectives")
 
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> NoReturn:
-        _unsupported("set_unshard_in_backward", "skipping the backward all-gather")
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward reads none of this module's parameters (an embedding), so they are not
+        gathered for it (not recursive)."""
+        self._set(False, "unshard_in_backward", unshard_in_backward)
 
 
 def _bool(name: str, value: object) -> None:

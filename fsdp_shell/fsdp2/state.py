@@ -64,6 +64,9 @@ class Settings:
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
+    unshard_in_backward: bool = True
+    """False: backward reads none of the unit's parameters (an embedding), so it is not gathered
+    for backward (its gradients still accumulate on the unsharded parameters)."""
     gradient_divide_factor: float | None = None
     force_sum_reduction_for_comms: bool = False
 
@@ -327,8 +330,9 @@ def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torc
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(end_of_backward, ctx))
     if group is not None and id(state) not in it.prepared:
         it.prepared.add(id(state))
-        with ctx.log.during(Phase.PRE_BACKWARD):
-            group.unshard(_runtime(state))
+        if state.settings.unshard_in_backward:
+            with ctx.log.during(Phase.PRE_BACKWARD):
+                group.unshard(_runtime(state))
         group.use_unsharded()
         group.restore_pending()
     return grad

@@ -149,7 +149,6 @@ def test_other_refusals_name_the_argument(world: None) -> None:
         ("set_post_optim_event", (None,)),
         ("set_custom_all_gather", (None,)),
         ("set_custom_reduce_scatter", (None,)),
-        ("set_unshard_in_backward", (False,)),
         ("set_reduce_scatter_unused_params", (False,)),
     ],
 )

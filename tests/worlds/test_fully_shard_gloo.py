@@ -104,6 +104,8 @@ class Case:
     """``torch.nn.utils.clip_grad_norm_`` before every optimizer step."""
     offload: bool = False
     """``CPUOffloadPolicy(pin_memory=False)`` (on the CPU the device is the host)."""
+    embedding_unit: bool = False
+    """The embedding a unit of its own, not gathered for backward (``set_unshard_in_backward``)."""
     meta: bool = False
     """Built on the meta device, sharded, ``to_empty(device="cpu")``, then given the initial
     values as a full state dict (``set_model_state_dict``), as torchtitan initializes."""
@@ -115,6 +117,7 @@ class Case:
         parts = [f"w{self.world}", "x".join(map(str, self.mesh)), f"raf-{self.reshard}"]
         flags = [("bf16", self.bf16), ("frozen", self.frozen), ("tied", self.tied), ("ac", self.checkpointed)]
         flags += [("compiled", self.compiled), ("clip", self.clip), ("meta", self.meta), ("offload", self.offload)]
+        flags += [("embedding-unit", self.embedding_unit)]
         parts += [name for name, on in flags if on]
         if self.micro > 1:
             parts.append(f"micro{self.micro}" + ("-synced" if self.sync_every_micro else ""))
@@ -132,6 +135,7 @@ CASES = [
     Case(2, (2,), compiled=True, clip=True, steps=2),
     Case(2, (2,), micro=2, sync_every_micro=True, bf16=True),
     Case(2, (2,), meta=True, tied=True, bf16=True),
+    Case(4, (2, 2), embedding_unit=True, reshard=True),
 ]
 
 
@@ -164,7 +168,11 @@ def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, to
         if case.compiled:
             b.compile()
         shard(b, shard_placement_fn=_placement, ignored_params=ignored, mp_policy=blocks, **kw)
+    if case.embedding_unit:
+        shard(model.embed, mp_policy=blocks, **kw)
     shard(model, mp_policy=root, **kw)
+    if case.embedding_unit:
+        model.embed.set_unshard_in_backward(False)  # type: ignore[operator]  # FSDPModule's (both libraries')
     if case.meta:
         model.to_empty(device="cpu")
         set_model_state_dict(model, base.state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -228,9 +236,10 @@ def train_against_fsdp2(rank: int, world: int, case: Case) -> list[str]:
 
 
 def _collectives(case: Case, ours: Net) -> list[str]:
-    """Our reductions, counted: every unit (the three blocks and the root) reduce-scatters once
-    per step, or once per micro-batch where HSDP only defers the all-reduce; the replicate
-    all-reduce runs once per step."""
+    """Our reductions, counted: every unit (the three blocks and the root; the embedding where it
+    is one) reduce-scatters once per step, or once per micro-batch where HSDP only defers the
+    all-reduce; the replicate all-reduce runs once per step. An embedding not gathered for
+    backward is gathered once per step, each block twice."""
     state = state_of(ours)
     assert state is not None and state.ctx is not None
     counts: dict[tuple[str, Group], int] = {}
@@ -238,9 +247,15 @@ def _collectives(case: Case, ours: Net) -> list[str]:
         counts[(kind.op, kind.group)] = counts.get((kind.op, kind.group), 0) + n
     two_d = len(case.mesh) == 2  # a 2-D mesh all-reduces over its replicate dimension, of one rank too
     per_step = case.micro if (two_d and case.mesh[0] > 1) or case.sync_every_micro else 1
-    want = {("reduce_scatter", Group.SHARD): 4 * case.steps * per_step}
+    units = 5 if case.embedding_unit else 4
+    want = {("reduce_scatter", Group.SHARD): units * case.steps * per_step}
     if two_d:
-        want[("all_reduce", Group.REPLICATE)] = 4 * case.steps * (case.micro if case.sync_every_micro else 1)
+        want[("all_reduce", Group.REPLICATE)] = units * case.steps * (case.micro if case.sync_every_micro else 1)
+    if case.embedding_unit:  # gathered for forward only, the blocks for backward too
+        gathers = sum(n for k, n in counts.items() if k[0] == "all_gather")
+        per_step = 1 + 2 * 3 + (2 if case.reshard else 1)  # the root, kept after forward unless told
+        if gathers != per_step * case.steps:
+            return [f"{gathers} all-gathers, expected {per_step * case.steps}"]
     got = {k: v for k, v in counts.items() if k[0] != "all_gather"}
     return [] if got == want else [f"reductions {got}, expected {want}"]
 
