@@ -333,11 +333,15 @@ class FSDPModule:
 
             abandon_backward(state.ctx)
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> NoReturn:
-        _unsupported("set_modules_to_forward_prefetch", "explicit prefetching")
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """After gathering its own parameters in forward, this module issues the all-gathers of
+        ``modules`` (each waited for at that module's forward)."""
+        self._state().forward_prefetch = _states_of("modules", modules)
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> NoReturn:
-        _unsupported("set_modules_to_backward_prefetch", "explicit prefetching")
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """After gathering its own parameters in backward, this module issues the all-gathers of
+        ``modules`` (each waited for at that module's backward)."""
+        self._state().backward_prefetch = _states_of("modules", modules)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object = None) -> NoReturn:
         _unsupported("set_all_reduce_hook", "an all-reduce hook")
@@ -355,6 +359,18 @@ class FSDPModule:
         """False: backward reads none of this module's parameters (an embedding), so they are not
         gathered for it (not recursive)."""
         self._set(False, "unshard_in_backward", unshard_in_backward)
+
+
+def _states_of(name: str, modules: object) -> tuple[FSDPState, ...]:
+    if not isinstance(modules, list | tuple):
+        raise TypeError(f"{name}: expected a list of FSDPModules, got {modules!r}")
+    states = []
+    for m in modules:
+        s = state_of(m) if isinstance(m, nn.Module) else None
+        if s is None:
+            raise ValueError(f"{name}: every entry must be a module fully_shard was applied to, got {type(m).__name__}")
+        states.append(s)
+    return tuple(states)
 
 
 def _bool(name: str, value: object) -> None:

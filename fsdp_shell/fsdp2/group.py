@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from fsdp_core import InputRole, PerParamLayout, Plan, ShardedParam, ShardView, UnitDtypes
-from fsdp_shell.runtime.collectives import release
+from fsdp_shell.runtime.collectives import Pending, release
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.grads import Grads
 from fsdp_shell.units.per_param import copy_in, copy_out_into, padded_shard
@@ -94,6 +94,8 @@ class ParamGroup:
         self._build_unsharded(torch.device("meta") if on_meta else device)
         self.gathered = False
         """Whether the unsharded parameters hold the gathered values."""
+        self._in_flight: tuple[torch.Tensor, Pending | None] | None = None
+        """A prefetched all-gather: its output buffer and the collective, until ``unshard``."""
         self.carried: dict[InputRole, Grads] = {}
         """Gradient state carried between backwards, by the role the next plan takes it in: a
         ``no_sync`` accumulation and a partial reduction (the reduced gradient is the ``.grad``
@@ -204,19 +206,30 @@ class ParamGroup:
 
     # -- gathering and freeing ------------------------------------------------------------------
 
-    def unshard(self, runtime: Runtime) -> None:
-        """Gather every parameter into its unsharded tensor (no-op when gathered): the padded
+    def start_unshard(self, runtime: Runtime) -> None:
+        """Issue the gather of every parameter (no-op when gathered or in flight): the padded
         shards copied into this rank's slice of one buffer (cast to the compute dtype), one
-        all-gather in place, the copy-out into the unsharded parameters' memory."""
+        all-gather in place, asynchronously where the runtime allows (a prefetch)."""
+        if self.gathered or self._in_flight is not None:
+            return
+        gathered = torch.empty(self.layout.padded_numel, dtype=self.dtypes.compute, device=self.device)
+        with torch.no_grad():
+            mine = copy_in(self.layout, self._padded, gathered, self.rank)
+            self._in_flight = (gathered, runtime.all_gather(gathered, mine))
+
+    def unshard(self, runtime: Runtime) -> None:
+        """Gather every parameter into its unsharded tensor (no-op when gathered): wait for the
+        all-gather (issuing it first unless a prefetch did), then the copy-out into the unsharded
+        parameters' memory."""
         if self.gathered:
             return
+        self.start_unshard(runtime)
+        assert self._in_flight is not None
+        (gathered, pending), self._in_flight = self._in_flight, None
         for storage, nbytes in zip(self._own_storages, self._own_nbytes):
             storage.resize_(nbytes)
         layout = self.layout
-        gathered = torch.empty(layout.padded_numel, dtype=self.dtypes.compute, device=self.device)
         with torch.no_grad():
-            mine = copy_in(layout, self._padded, gathered, self.rank)
-            pending = runtime.all_gather(gathered, mine)
             if pending is not None:
                 pending.wait()
             # into ``.data``: the unsharded parameters share the stacked tensors' version counter,
@@ -230,7 +243,14 @@ class ParamGroup:
         self.gathered = True
 
     def free_unsharded(self) -> None:
-        """Reshard: the unsharded parameters' memory goes back (``PlanOwner``)."""
+        """Reshard: the unsharded parameters' memory goes back (``PlanOwner``); a prefetched
+        all-gather no hook waited for is completed and dropped (the next gathers afresh, after the
+        optimizer's step)."""
+        if self._in_flight is not None:
+            (gathered, pending), self._in_flight = self._in_flight, None
+            if pending is not None:
+                pending.wait()
+            release(gathered)
         if not self.gathered:
             return
         for storage in self._own_storages:

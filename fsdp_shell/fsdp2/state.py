@@ -109,6 +109,12 @@ class FSDPState:
         """``CPUOffloadPolicy``: the reduced gradient is handed off on the host (the plan's
         ``Offload``; on a CPU mesh the device is the host, so nothing is copied)."""
         self.settings = Settings()
+        self.forward_prefetch: tuple[FSDPState, ...] = ()
+        """Units whose all-gather this one's pre-forward issues after its own
+        (``set_modules_to_forward_prefetch``)."""
+        self.backward_prefetch: tuple[FSDPState, ...] = ()
+        """Units whose all-gather this one's pre-backward issues after its own
+        (``set_modules_to_backward_prefetch``)."""
         self._plans: dict[frozenset[InputRole], Plan] = {}
         """This step's plan by the roles the unit carries, under the settings in force (emptied
         when they change), so a backward looks its plan up without building a request."""
@@ -275,10 +281,18 @@ def _pre_forward(
     if group is not None:
         with ctx.log.during(Phase.FORWARD):
             group.unshard(_runtime(state))
+            _prefetch(state.forward_prefetch)
         group.use_unsharded()
         if torch.is_grad_enabled() and group.grad_index:
             _hook_inputs(state, ctx, (args, kwargs))
     return args, kwargs
+
+
+def _prefetch(states: tuple[FSDPState, ...]) -> None:
+    """Issue the all-gathers of ``states``' units (waited for at their own hooks)."""
+    for s in states:
+        if s.group is not None and s.runtime is not None:
+            s.group.start_unshard(s.runtime)
 
 
 def _hook_inputs(state: FSDPState, ctx: RootContext, inputs: Any) -> None:
@@ -330,9 +344,10 @@ def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torc
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(end_of_backward, ctx))
     if group is not None and id(state) not in it.prepared:
         it.prepared.add(id(state))
-        if state.settings.unshard_in_backward:
-            with ctx.log.during(Phase.PRE_BACKWARD):
+        with ctx.log.during(Phase.PRE_BACKWARD):
+            if state.settings.unshard_in_backward:
                 group.unshard(_runtime(state))
+            _prefetch(state.backward_prefetch)
         group.use_unsharded()
         group.restore_pending()
     return grad

@@ -143,8 +143,6 @@ def test_other_refusals_name_the_argument(world: None) -> None:
 @pytest.mark.parametrize(
     ("method", "args"),
     [
-        ("set_modules_to_forward_prefetch", ([],)),
-        ("set_modules_to_backward_prefetch", ([],)),
         ("set_all_reduce_hook", (print,)),
         ("set_post_optim_event", (None,)),
         ("set_custom_all_gather", (None,)),

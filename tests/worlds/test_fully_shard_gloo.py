@@ -19,6 +19,7 @@ all-reduce overlaps later backward compute.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,9 @@ class Case:
     """``torch.nn.utils.clip_grad_norm_`` before every optimizer step."""
     offload: bool = False
     """``CPUOffloadPolicy(pin_memory=False)`` (on the CPU the device is the host)."""
+    prefetch: bool = False
+    """Explicit prefetching: each block's forward issues the next block's all-gather, each
+    block's backward the previous one's."""
     embedding_unit: bool = False
     """The embedding a unit of its own, not gathered for backward (``set_unshard_in_backward``)."""
     meta: bool = False
@@ -117,7 +121,7 @@ class Case:
         parts = [f"w{self.world}", "x".join(map(str, self.mesh)), f"raf-{self.reshard}"]
         flags = [("bf16", self.bf16), ("frozen", self.frozen), ("tied", self.tied), ("ac", self.checkpointed)]
         flags += [("compiled", self.compiled), ("clip", self.clip), ("meta", self.meta), ("offload", self.offload)]
-        flags += [("embedding-unit", self.embedding_unit)]
+        flags += [("embedding-unit", self.embedding_unit), ("prefetch", self.prefetch)]
         parts += [name for name, on in flags if on]
         if self.micro > 1:
             parts.append(f"micro{self.micro}" + ("-synced" if self.sync_every_micro else ""))
@@ -136,6 +140,7 @@ CASES = [
     Case(2, (2,), micro=2, sync_every_micro=True, bf16=True),
     Case(2, (2,), meta=True, tied=True, bf16=True),
     Case(4, (2, 2), embedding_unit=True, reshard=True),
+    Case(2, (2,), prefetch=True, bf16=True, micro=2),
 ]
 
 
@@ -173,6 +178,11 @@ def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, to
     shard(model, mp_policy=root, **kw)
     if case.embedding_unit:
         model.embed.set_unshard_in_backward(False)  # type: ignore[operator]  # FSDPModule's (both libraries')
+    if case.prefetch:
+        blocks_ = list(model.blocks)
+        for a, b in itertools.pairwise(blocks_):
+            a.set_modules_to_forward_prefetch([b])  # type: ignore[operator]  # FSDPModule's (both libraries')
+            b.set_modules_to_backward_prefetch([a])  # type: ignore[operator]  # FSDPModule's (both libraries')
     if case.meta:
         model.to_empty(device="cpu")
         set_model_state_dict(model, base.state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -208,6 +218,14 @@ def train_against_fsdp2(rank: int, world: int, case: Case) -> list[str]:
     theirs, their_opt = _build(case, mesh, torch_fully_shard, base)
     ours, our_opt = _build(case, mesh, fully_shard, base)
     problems: list[str] = []
+    issued: list[bool] = []
+    if case.prefetch:  # when the first block runs, its prefetch of the second has been issued
+        nxt = state_of(ours.blocks[1])
+        assert nxt is not None and nxt.group is not None
+        group = nxt.group
+        ours.blocks[0].register_forward_pre_hook(
+            lambda *_: issued.append(group._in_flight is not None or group.gathered)
+        )
     if not isinstance(ours, FSDPModule) or type(ours).__name__ != "FSDPNet":
         problems.append(f"the root's class is {type(ours).__name__}, not an FSDPModule FSDPNet")
     for step in range(case.steps):
@@ -217,6 +235,8 @@ def train_against_fsdp2(rank: int, world: int, case: Case) -> list[str]:
         if abs(a - b) > 1e-6:
             problems.append(f"step {step}: loss {b} where FSDP2's is {a}")
     problems += _collectives(case, ours)
+    if case.prefetch and not (issued and all(issued)):
+        problems.append(f"the second block's all-gather was not issued by the first block's forward: {issued}")
     for (name, p), (name2, q) in zip(theirs.named_parameters(), ours.named_parameters(), strict=True):
         if name != name2 or type(p) is not type(q):
             problems.append(f"parameter {name2} ({type(q).__name__}) where FSDP2 has {name} ({type(p).__name__})")
