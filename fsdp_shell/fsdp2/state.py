@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,7 @@ from fsdp_shell.runtime.device import make_runtime
 from fsdp_shell.runtime.groups import ProcessGroups
 from fsdp_shell.runtime.interpreter import PlanRun
 from fsdp_shell.runtime.protocol import Runtime
+from fsdp_shell.safety.timeouts import timeout_error
 from fsdp_shell.units.forward_io import tensors_in
 
 __all__ = ["FSDPState", "RootContext", "Settings", "state_of"]
@@ -106,6 +108,10 @@ class FSDPState:
         self.mesh = mesh
         self.mp = mp
         self.offload = offload
+        kinds = "+".join(type(m).__name__ for m in modules)
+        held = "" if group is None else f" (holding {', '.join(p.name for p in group.layout.params[:2])})"
+        self.name = f"the unit of {kinds}{held}"
+        """The unit for people, in messages and profiler ranges."""
         """``CPUOffloadPolicy``: the reduced gradient is handed off on the host (the plan's
         ``Offload``; on a CPU mesh the device is the host, so nothing is copied)."""
         self.settings = Settings()
@@ -279,13 +285,34 @@ def _pre_forward(
         args, kwargs = _cast(state.mp.param_dtype, (args, kwargs))
     group = state.group
     if group is not None:
-        with ctx.log.during(Phase.FORWARD):
+        with ctx.log.during(Phase.FORWARD), _waiting(state, "forward"):
             group.unshard(_runtime(state))
             _prefetch(state.forward_prefetch)
         group.use_unsharded()
         if torch.is_grad_enabled() and group.grad_index:
             _hook_inputs(state, ctx, (args, kwargs))
     return args, kwargs
+
+
+_CAUSES = (
+    "a rank stopped, died or is still busy, or the ranks' models took different paths (fully_shard needs "
+    "every rank to run the same modules, each with its output used)"
+)
+
+
+@contextlib.contextmanager
+def _waiting(state: FSDPState, step: str) -> Iterator[None]:
+    """One FSDP step of ``state``'s unit: a range ``fsdp::<step> <unit>`` in a ``torch.profiler``
+    trace, and a backend that gives up on the other ranks turned into a
+    ``CollectiveTimeoutError`` naming the step and unit (``fsdp_shell.safety.timeouts``)."""
+    with torch.profiler.record_function(f"fsdp::{step} {state.name}"):
+        try:
+            yield
+        except RuntimeError as error:
+            timeout = timeout_error(error, step, lambda: state.name, False, causes=_CAUSES)
+            if timeout is None:
+                raise
+            raise timeout from error
 
 
 def _prefetch(states: tuple[FSDPState, ...]) -> None:
@@ -344,7 +371,7 @@ def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torc
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(end_of_backward, ctx))
     if group is not None and id(state) not in it.prepared:
         it.prepared.add(id(state))
-        with ctx.log.during(Phase.PRE_BACKWARD):
+        with ctx.log.during(Phase.PRE_BACKWARD), _waiting(state, "backward"):
             if state.settings.unshard_in_backward:
                 group.unshard(_runtime(state))
             _prefetch(state.backward_prefetch)
@@ -395,7 +422,7 @@ def post_backward(state: FSDPState) -> None:
     plan = state.step_plan(frozenset(group.carried))
     run = PlanRun(plan, _runtime(state), group, group.take_grads())
     group.use_sharded()
-    with ctx.log.during(Phase.POST_BACKWARD):
+    with ctx.log.during(Phase.POST_BACKWARD), _waiting(state, "gradient reduction"):
         run.run_hook_ops()
     it.runs.append(run)
 
@@ -410,7 +437,7 @@ def end_of_backward(ctx: RootContext) -> None:
             group = state.group
             if group is not None and id(state) not in it.reduced and group.has_grads:
                 post_backward(state)
-        with ctx.log.during(Phase.END_OF_BACKWARD):
+        with ctx.log.during(Phase.END_OF_BACKWARD), _waiting(ctx.root, "end of backward"):
             for run in it.runs:
                 run.run_callback_ops()
             for runtime in ctx.all_runtimes:

@@ -38,15 +38,17 @@ def gave_up_waiting(error: BaseException) -> bool:
 
 
 def timeout_error(
-    error: RuntimeError, step: str, where: Callable[[], str], sequenced: bool
+    error: RuntimeError, step: str, where: Callable[[], str], sequenced: bool, *, causes: str | None = None
 ) -> CollectiveTimeoutError | None:
     """What to raise for ``error`` in FSDP's own collectives of ``step`` in ``where()`` (the root,
     or a unit; asked only on a timeout): a ``CollectiveTimeoutError`` when the backend gave up
     waiting, None when ``error`` is this rank's own and stays as it is. ``sequenced``: the ranks
-    agree on every event (``ranks_may_diverge``), so divergent paths are not the cause."""
+    agree on every event (``ranks_may_diverge``), so divergent paths are not the cause;
+    ``causes``: the likely causes in the caller's words instead (``fully_shard`` has no
+    ``ranks_may_diverge``)."""
     if not gave_up_waiting(error):
         return None
-    mode = (
+    mode = causes or (
         "even with ranks_may_diverge=True: a rank stopped, died or is still busy"
         if sequenced
         else "a rank stopped, died or is still busy, or the ranks' models took different paths (a wrapped "

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -417,3 +419,38 @@ def test_the_hsdp_all_reduce_runs_during_later_backward_compute() -> None:
     for rank, seen in enumerate(run_world(2, hybrid_overlap, "fully_shard", timeout=300)):
         overlapped = [(s, e) for s, e in seen.all_reduces if any(bs < e and s < be for bs, be in seen.backward)]
         assert len(overlapped) >= MEASURED_STEPS, f"rank {rank}: {seen}"
+
+
+# -- a rank that stops ---------------------------------------------------------------------------
+
+
+def one_rank_stops(rank: int, world: int, arg: None) -> str:
+    """Rank 1 trains one step and stops; rank 0 goes on. Rank 0 must raise
+    ``CollectiveTimeoutError`` naming its step and unit when the shard group's timeout (4 s)
+    expires (or when the stopped rank's connection closes), not hang."""
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_shell.safety.timeouts import CollectiveTimeoutError
+
+    group = dist.new_group(timeout=timedelta(seconds=4))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model, opt = _build(Case(world, (world,)), mesh, fully_shard, Net(tied=False))
+    _train(model, opt, rank, 1, seed=0)
+    if rank == 1:
+        return ""
+    try:
+        _train(model, opt, rank, 1, seed=1)
+    except CollectiveTimeoutError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_rank_that_stops_is_a_clear_error_in_bounded_time() -> None:
+    started = time.monotonic()
+    message, _ = run_world(2, one_rank_stops, None, timeout=60, fresh=True)
+    assert time.monotonic() - started < 45
+    assert message.startswith("FSDP: rank 0 gave up waiting for the other ranks in the "), message
+    assert "forward of the unit of Net (holding embed.weight" in message and "a rank stopped, died" in message, message
