@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -299,8 +301,9 @@ def _train(model: Net, opt: torch.optim.Optimizer, rank: int, steps: int, seed: 
 
 
 def checkpoints_interchange(rank: int, world: int, path: str) -> list[str]:
-    """Save with one library (model and AdamW state, ``torch.distributed.checkpoint``), load into
-    the other built from different initial values, train both on: every parameter agrees."""
+    """Save with one library (model and AdamW state, ``torch.distributed.checkpoint``; ours with
+    ``async_save``), load into the other built from different initial values, train both on:
+    every parameter agrees."""
 
     mesh = init_device_mesh("cpu", (world,))
     case = Case(world, (world,))
@@ -315,9 +318,13 @@ def checkpoints_interchange(rank: int, world: int, path: str) -> list[str]:
         if not all(isinstance(v, DTensor) for v in saved.values()):
             problems.append(f"{name}'s state_dict() after a forward holds plain tensors")
         ckpt = f"{path}/{name}"
-        dcp_save(
-            {"model": get_model_state_dict(src), "optim": get_optimizer_state_dict(src, src_opt)}, checkpoint_id=ckpt
-        )
+        state = {"model": get_model_state_dict(src), "optim": get_optimizer_state_dict(src, src_opt)}
+        if saver is fully_shard:  # ours saves asynchronously, on a process group of its own as DCP asks
+            future = dcp_async_save(state, checkpoint_id=ckpt, process_group=dist.new_group(backend="gloo"))
+            assert isinstance(future, Future)
+            future.result()
+        else:
+            dcp_save(state, checkpoint_id=ckpt)
         torch.manual_seed(1)
         dst, dst_opt = _build(case, mesh, loader, Net(case.tied))
         model_state, optim_state = get_model_state_dict(dst), get_optimizer_state_dict(dst, dst_opt)
