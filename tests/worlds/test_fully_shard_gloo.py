@@ -7,8 +7,8 @@ included); ``reshard_after_forward`` None, True and False; bf16 parameters with 
 and an fp32 ``output_dtype``; gradient accumulation without sync, and HSDP without the
 all-reduce, until the last micro-batch, and into the ``.grad`` a synced micro-batch left; frozen
 and ignored parameters; tied embeddings; a dimension-0 size that does not divide (9 rows) and
-``Shard(1)``; ``CPUOffloadPolicy(pin_memory=False)``; meta-device init (``to_empty``, then a full
-state dict); activation checkpointing and ``torch.compile`` per block before sharding;
+``Shard(1)``; ``CPUOffloadPolicy(pin_memory=False)``; meta-device init (``to_empty``, then rank
+0's full state dict broadcast); activation checkpointing and ``torch.compile`` per block before sharding;
 ``clip_grad_norm_`` on the DTensor gradients; tiny Hugging Face GPT-2 (tied embeddings) and Llama
 (grouped as torchtitan groups it). Checkpoints saved by either library with
 ``torch.distributed.checkpoint`` load into the other, which trains on identically. Exact live
@@ -115,8 +115,8 @@ class Case:
     embedding_unit: bool = False
     """The embedding a unit of its own, not gathered for backward (``set_unshard_in_backward``)."""
     meta: bool = False
-    """Built on the meta device, sharded, ``to_empty(device="cpu")``, then given the initial
-    values as a full state dict (``set_model_state_dict``), as torchtitan initializes."""
+    """Built on the meta device, sharded, ``to_empty(device="cpu")``, then given rank 0's initial
+    values (``set_model_state_dict(..., broadcast_from_rank0=True)``)."""
     steps: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -189,7 +189,8 @@ def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, to
             b.set_modules_to_backward_prefetch([a])  # type: ignore[operator]  # FSDPModule's (both libraries')
     if case.meta:
         model.to_empty(device="cpu")
-        set_model_state_dict(model, base.state_dict(), options=StateDictOptions(full_state_dict=True))
+        full = base.state_dict() if dist.get_rank() == 0 else {}  # rank 0's, broadcast to the others
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
