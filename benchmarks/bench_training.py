@@ -98,24 +98,25 @@ def _fsdp1(kind: str, mesh: DeviceMesh | None) -> nn.Module:
     )
 
 
+def _per_block(shard: Callable[..., object], kind: str, mesh: DeviceMesh | None) -> nn.Module:
+    """``_model(kind)`` with ``shard`` (a ``fully_shard``) applied to every layer, then the root."""
+    module = _model(kind)
+    for layer in module:
+        shard(layer, mesh=mesh)
+    shard(module, mesh=mesh)
+    return module
+
+
 def _fsdp2(kind: str, mesh: DeviceMesh | None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    module = _model(kind)
-    for layer in module:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
-    return module
+    return _per_block(fully_shard, kind, mesh)
 
 
 def _ours_fully_shard(kind: str, mesh: DeviceMesh | None) -> nn.Module:
     from fsdp_shell import fully_shard
 
-    module = _model(kind)
-    for layer in module:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
-    return module
+    return _per_block(fully_shard, kind, mesh)
 
 
 BUILDERS: dict[str, Callable[[str, DeviceMesh | None], nn.Module]] = {
