@@ -29,6 +29,9 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_
 _CLASSES: dict[type, type] = {}
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
+_DEFAULT_MESH: dict[int, tuple[object, DeviceMesh]] = {}
+"""The mesh of ``mesh=None`` calls, by the default process group it spans: one for every call,
+so their units share one runtime (FSDP2 makes one per call)."""
 
 
 @overload
@@ -114,11 +117,11 @@ def fully_shard(
 
 def _mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
-        backend = str(dist.get_backend()).lower()
-        device_type = (
-            "cpu" if backend == "gloo" else (torch.accelerator.current_accelerator() or torch.device("cpu")).type
-        )
-        return init_device_mesh(device_type, (dist.get_world_size(),))
+        world = dist.group.WORLD
+        cached = _DEFAULT_MESH.get(id(world))
+        if cached is None or cached[0] is not world:  # one per default group, as long as it lives
+            cached = _DEFAULT_MESH[id(world)] = (world, init_device_mesh(_device_type(), (dist.get_world_size(),)))
+        return cached[1]
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh: expected a DeviceMesh, got {mesh!r}")
     if mesh.ndim not in (1, 2):

@@ -5,10 +5,14 @@ the hooks of one iteration.
   context (every ``fully_shard`` state under it, the runtime, the verifying plan cache); every
   module gathers its parameters, runs on the unsharded ones, reshards after forward as
   ``reshard_after_forward`` says (by default every module but the root), and hooks its outputs.
-- Backward: a hook on those outputs gathers again where the forward resharded, and the first
-  queues the end of backward on the autograd engine. Once autograd has accumulated the gradient
-  of every unsharded parameter of a unit, the unit's post-backward plan (the planner's, for its
-  reduce layout and this step's flags) runs under the interpreter on the runtime.
+- Backward: a hook on those outputs gathers again where the forward resharded (unless
+  ``set_unshard_in_backward(False)``), and the first queues the end of backward on the autograd
+  engine. Once autograd has accumulated the gradient of every trainable unsharded parameter of a
+  unit and computed its forward inputs' gradients, the unit's post-backward plan (the planner's,
+  for its reduce layout and this step's flags) runs under the interpreter on the runtime.
+- Explicit prefetch lists issue other units' all-gathers after a unit's own; each is waited for
+  at its own unit's hook. Every collective section is a profiler range named by step and unit,
+  where a backend that gives up on the other ranks becomes a ``CollectiveTimeoutError``.
 - End of backward: units whose gradients did not all arrive are reduced with zeros for the
   missing ones (none of them arrived: not reduced, as in FSDP2), every plan's deferred ops run,
   and the units reshard as ``reshard_after_backward`` says.
@@ -209,7 +213,7 @@ class RootContext:
         self.log = CollectiveLog()
         self.plans = PlanCache(verify=True)
         self.iteration = _Iteration()
-        self._runtimes: dict[int, tuple[ProcessGroups, Runtime]] = {}
+        self._runtimes: dict[tuple[int, int, str], tuple[ProcessGroups, Runtime]] = {}
         self.all_runtimes: list[Runtime] = []
         """Every runtime of the root's meshes (``runtimes``, fixed at lazy init)."""
 
@@ -220,14 +224,17 @@ class RootContext:
         return self._entry(mesh)[1]
 
     def _entry(self, mesh: DeviceMesh) -> tuple[ProcessGroups, Runtime]:
-        entry = self._runtimes.get(id(mesh))
+        """The groups and runtime of ``mesh``: one runtime per pair of process groups, however
+        many mesh objects name them (``fully_shard`` calls without a mesh each make one)."""
+        if mesh.ndim == 1:
+            groups = ProcessGroups(shard=mesh.get_group(0), replicate=None)
+        else:
+            groups = ProcessGroups(shard=mesh.get_group(1), replicate=mesh.get_group(0))
+        key = (id(groups.shard), id(groups.replicate), mesh.device_type)
+        entry = self._runtimes.get(key)
         if entry is None:
-            if mesh.ndim == 1:
-                groups = ProcessGroups(shard=mesh.get_group(0), replicate=None)
-            else:
-                groups = ProcessGroups(shard=mesh.get_group(1), replicate=mesh.get_group(0))
             device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else _current(mesh.device_type)
-            entry = self._runtimes[id(mesh)] = (groups, make_runtime(device, groups, self.log))
+            entry = self._runtimes[key] = (groups, make_runtime(device, groups, self.log))
         return entry
 
     @property
