@@ -4,6 +4,8 @@ API against theirs and against FSDP2, and our ``fully_shard`` against FSDP2's.
 Run on demand: ``python benchmarks/bench_training.py [--rounds 15] [--models wide,tiny,hybrid]``.
 
 Models: "wide" (8 units of a 512-wide residual MLP layer; communication and math dominate),
+"transformer" (4 pre-norm encoder blocks, d 256, 4 heads, 8 sequences of 128 tokens; run it with
+``--models transformer``),
 "tiny" (48 units of a few hundred parameters; per-collective latency and framework overhead
 dominate), and "hybrid" (the wide model on 4 ranks as 2 replicas x 2 shards: our HYBRID_SHARD,
 FSDP1's HYBRID_SHARD and FSDP2's HSDP on the same 2-D mesh).
@@ -62,14 +64,34 @@ class Layer(nn.Module):
         return torch.relu(self.lin(x)) + x
 
 
-SHAPES = {"wide": (512, 8, 2), "tiny": (16, 48, 2), "hybrid": (512, 8, 4), "large": (2048, 8, 2)}
+class TransformerBlock(Layer):
+    """A pre-norm transformer encoder block (4 heads, MLP 4x wide, no dropout), one unit."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        del self.lin
+        self.block = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.block(x)
+        return out
+
+
+SHAPES = {
+    "wide": (512, 8, 2),
+    "tiny": (16, 48, 2),
+    "hybrid": (512, 8, 4),
+    "large": (2048, 8, 2),
+    "transformer": (256, 4, 2),
+}
 """model -> (width, units, ranks)."""
 
 
 def _model(kind: str) -> nn.Sequential:
     width, units, _ = SHAPES[kind]
     torch.manual_seed(0)
-    return nn.Sequential(*(Layer(width) for _ in range(units)))
+    block = TransformerBlock if kind == "transformer" else Layer
+    return nn.Sequential(*(block(width) for _ in range(units)))
 
 
 def _mesh(kind: str) -> DeviceMesh | None:
@@ -140,7 +162,8 @@ COUNTED = (
 
 def _batch(kind: str, step: int, rank: int) -> torch.Tensor:
     width = SHAPES[kind][0]
-    return torch.randn(64, width, generator=torch.Generator().manual_seed(1000 * step + rank))
+    shape = (8, 128, width) if kind == "transformer" else (64, width)  # 8 sequences of 128 tokens
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
