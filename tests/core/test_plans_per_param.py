@@ -15,12 +15,10 @@ import dataclasses
 import re
 
 import pytest
-import torch
 
 from fsdp_core import (
     Accumulate,
     AllReduce,
-    Buffer,
     Cast,
     CommHook,
     CopyIn,
@@ -41,34 +39,26 @@ from fsdp_core import (
     PerParamLayout,
     PlanRequest,
     RecordStream,
-    ReduceOpSpec,
     ReduceScatter,
     Rule,
     ShardingSpec,
     ShardingStrategy,
     ShardView,
     StepFlags,
-    Stream,
     WaitStream,
     check_plan,
     comm_volume,
     plan_post_backward,
 )
 from fsdp_core.plan.render import format_plan
+from tests.core.test_plans_exact import AR, BF16, F32, PB, SUM, C, buf
 
-F32, BF16 = torch.float32, torch.bfloat16
-C, PB, AR = Stream.COMPUTE, Stream.POST_BACKWARD, Stream.ALL_REDUCE
-SUM = ReduceOpSpec()
 GLOO_FSDP2 = Division(policy=DivisionPolicy.IN_COLLECTIVE)
 """FSDP2's division on a backend without AVG: sum, then divide."""
 UNIT = PerParamLayout.of([("w", (5, 3)), ("b", (5,))], F32, 2)
 FULL = ShardingSpec(strategy=ShardingStrategy.FULL_SHARD, shard_size=2, rank=1)
 HYBRID = ShardingSpec(strategy=ShardingStrategy.HYBRID_SHARD, shard_size=2, replicate_size=2, rank=0)
 MIXED = MixedPrecision(param_dtype=BF16, reduce_dtype=F32)
-
-
-def buf(name: str, numel: int, dtype: torch.dtype = F32) -> Buffer:
-    return Buffer(name=name, numel=numel, dtype=dtype)
 
 
 def view(name: str, index: int, offset: int, in_param: int, numel: int) -> ShardView:
