@@ -32,6 +32,7 @@ _NO_OFFLOAD = OffloadPolicy()
 _DEFAULT_MESH: dict[int, tuple[object, DeviceMesh]] = {}
 """The mesh of ``mesh=None`` calls, by the default process group it spans: one for every call,
 so their units share one runtime (FSDP2 makes one per call)."""
+_POST_FORWARD_MESH: dict[tuple[int, str, tuple[int, ...], int], tuple[object, DeviceMesh]] = {}
 
 
 @overload
@@ -81,13 +82,7 @@ def fully_shard(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed.init_process_group() first")
     mesh = _mesh(mesh)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            "reshard_after_forward: an int (resharding to a smaller group after forward, ZeRO++ hpZ) is "
-            "not supported by fsdp_shell's fully_shard yet; pass True, False or None"
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward: expected None, a bool or an int, got {reshard_after_forward!r}")
+    reshard_after_forward = _reshard_after_forward(reshard_after_forward, mesh)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy: expected torch.distributed.fsdp.MixedPrecisionPolicy, got {mp_policy!r}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -108,7 +103,10 @@ def fully_shard(
     group = None
     if params:
         group = _group(params, slots, names, mesh, shard_placement_fn, mp_policy)
-    state = FSDPState(modules, group, mesh, mp_policy, offload=offload)
+    post_forward_mesh = None
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        post_forward_mesh = _post_forward_mesh(mesh, reshard_after_forward)
+    state = FSDPState(modules, group, mesh, mp_policy, offload=offload, post_forward_mesh=post_forward_mesh)
     state.change(reshard_after_forward=reshard_after_forward)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
@@ -127,6 +125,37 @@ def _mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh.ndim not in (1, 2):
         raise ValueError(f"mesh: expected a 1-D (shard) or 2-D (replicate, shard) DeviceMesh, got {mesh.ndim}-D")
     return mesh
+
+
+def _reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int | None:
+    """``reshard_after_forward`` checked: None, a bool, or the size of the groups to reshard to
+    after forward, a factor of the shard group's (1 is False, the shard group's size True, as in
+    FSDP2)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward: expected None, a bool or an int, got {value!r}")
+    size = mesh.size(mesh.ndim - 1)
+    if not 1 <= value <= size or size % value:
+        raise ValueError(
+            f"reshard_after_forward: an int is the size of the groups to reshard to after forward, a factor of "
+            f"the shard group's {size} ranks; got {value}"
+        )
+    return False if value == 1 else True if value == size else value
+
+
+def _post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
+    """The 1-D mesh of this rank's group of ``size`` consecutive ranks of its shard group (FSDP2's
+    post-forward mesh, ``mesh.mesh.view(-1, size)``), one per mesh and size while the default
+    process group lives (making one is collective: every rank calls ``fully_shard`` alike)."""
+    world = dist.group.WORLD
+    key = (id(world), mesh.device_type, tuple(mesh.mesh.flatten().tolist()), size)
+    cached = _POST_FORWARD_MESH.get(key)
+    if cached is None or cached[0] is not world:
+        names = ("post_forward_replicate", "post_forward_shard")
+        small = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, size), mesh_dim_names=names)
+        cached = _POST_FORWARD_MESH[key] = (world, small["post_forward_shard"])
+    return cached[1]
 
 
 def _device_type() -> str:

@@ -94,8 +94,13 @@ class ParamGroup:
         self._build_unsharded(torch.device("meta") if on_meta else device)
         self.gathered = False
         """Whether the unsharded parameters hold the gathered values."""
-        self._in_flight: tuple[torch.Tensor, Pending | None] | None = None
-        """A prefetched all-gather: its output buffer and the collective, until ``unshard``."""
+        self._in_flight: tuple[torch.Tensor, Pending | None, int] | None = None
+        """A prefetched all-gather: its output buffer, the collective and the number of ranks it
+        gathers from, until ``unshard``."""
+        self._post_forward: tuple[torch.Tensor, Runtime, int, int] | None = None
+        """Between forward and backward, resharded to a smaller group (``reshard_after_forward``
+        an int, ZeRO++'s hpZ): this rank's part of every parameter's stacked chunks, the group's
+        runtime, its size and this rank's place in it (``reshard_post_forward``)."""
         self.carried: dict[InputRole, Grads] = {}
         """Gradient state carried between backwards, by the role the next plan takes it in: a
         ``no_sync`` accumulation and a partial reduction (the reduced gradient is the ``.grad``
@@ -213,9 +218,17 @@ class ParamGroup:
         if self.gathered or self._in_flight is not None:
             return
         gathered = torch.empty(self.layout.padded_numel, dtype=self.dtypes.compute, device=self.device)
+        if self._post_forward is not None:  # from the smaller group's parts, the full one's slots free
+            part, small, size, place = self._post_forward
+            self._post_forward = None
+            mine = gathered.narrow(0, place * part.numel(), part.numel())
+            mine.copy_(part)
+            release(part)
+            self._in_flight = (gathered, small.all_gather(gathered, mine), size)
+            return
         with torch.no_grad():
             mine = copy_in(self.layout, self._padded, gathered, self.rank)
-            self._in_flight = (gathered, runtime.all_gather(gathered, mine))
+            self._in_flight = (gathered, runtime.all_gather(gathered, mine), self.layout.world)
 
     def unshard(self, runtime: Runtime) -> None:
         """Gather every parameter into its unsharded tensor (no-op when gathered): wait for the
@@ -225,7 +238,7 @@ class ParamGroup:
             return
         self.start_unshard(runtime)
         assert self._in_flight is not None
-        (gathered, pending), self._in_flight = self._in_flight, None
+        (gathered, pending, ranks), self._in_flight = self._in_flight, None
         for storage, nbytes in zip(self._own_storages, self._own_nbytes):
             storage.resize_(nbytes)
         layout = self.layout
@@ -234,7 +247,14 @@ class ParamGroup:
                 pending.wait()
             # into ``.data``: the unsharded parameters share the stacked tensors' version counter,
             # and autograd's saved references to them must see the new values without a bump
-            copy_out_into(layout, gathered, [t.data for t in self._stacked])
+            stacked = [t.data for t in self._stacked]
+            if ranks == layout.world:
+                copy_out_into(layout, gathered, stacked)
+            else:  # each of the smaller group's ranks held a 1/ranks part of every stacked tensor
+                parts = [t.numel() // ranks for t in stacked]
+                torch.split_with_sizes_copy(
+                    gathered.view(ranks, -1), parts, dim=1, out=[t.view(ranks, -1) for t in stacked]
+                )
             for i, spec in enumerate(layout.params):
                 if spec.shard_dim != 0:
                     chunks = self._stacked[i].chunk(layout.world, dim=0)
@@ -242,12 +262,36 @@ class ParamGroup:
         release(gathered)  # now, not when gloo's threads let go of it
         self.gathered = True
 
+    def reshard_post_forward(self, small: Runtime, size: int) -> None:
+        """After forward, reshard to the groups of ``size`` ranks ``small`` gathers over (a factor
+        of the shard group's; ``reshard_after_forward=size``, ZeRO++'s hpZ) instead of freeing all:
+        this rank keeps part ``rank % size`` of every parameter's stacked chunks in one buffer,
+        its slot of the smaller all-gather that gathers the unit for backward (FSDP2 keeps the
+        same part of each parameter's all-gather output, ``to_sharded_post_forward``)."""
+        if not self.gathered:
+            return
+        place = self.rank % size
+        with torch.no_grad():
+            part = torch.cat([t.view(size, -1)[place] for t in self._stacked])
+        for storage in self._own_storages:
+            storage.resize_(0)
+        self.gathered = False
+        self._post_forward = (part, small, size, place)
+
+    @property
+    def post_forward_numel(self) -> int:
+        """Elements held resharded to a smaller group after forward (0 when not)."""
+        return 0 if self._post_forward is None else self._post_forward[0].numel()
+
     def free_unsharded(self) -> None:
-        """Reshard: the unsharded parameters' memory goes back (``PlanOwner``); a prefetched
-        all-gather no hook waited for is completed and dropped (the next gathers afresh, after the
-        optimizer's step)."""
+        """Reshard: the unsharded parameters' memory goes back (``PlanOwner``), and so does a part
+        kept for a smaller group's gather; a prefetched all-gather no hook waited for is completed
+        and dropped (the next gathers afresh, after the optimizer's step)."""
+        if self._post_forward is not None:
+            release(self._post_forward[0])
+            self._post_forward = None
         if self._in_flight is not None:
-            (gathered, pending), self._in_flight = self._in_flight, None
+            (gathered, pending, _), self._in_flight = self._in_flight, None
             if pending is not None:
                 pending.wait()
             release(gathered)

@@ -65,8 +65,9 @@ STATE_ATTR = "_fsdp_shell_state"
 class Settings:
     """What ``FSDPModule``'s setters change, for one ``fully_shard`` call (replaced whole)."""
 
-    reshard_after_forward: bool | None = None
-    """None: every module but the root reshards after forward (FSDP2's default)."""
+    reshard_after_forward: bool | int | None = None
+    """None: every module but the root reshards after forward (FSDP2's default); an int (not a
+    bool): reshards to groups of that many ranks (``FSDPState.post_forward_mesh``'s)."""
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
@@ -106,10 +107,14 @@ class FSDPState:
         mp: MixedPrecisionPolicy,
         *,
         offload: bool = False,
+        post_forward_mesh: DeviceMesh | None = None,
     ) -> None:
         self.modules = modules
         self.group = group
         self.mesh = mesh
+        self.post_forward_mesh = post_forward_mesh
+        """``reshard_after_forward`` an int: the 1-D mesh of this rank's group of that many ranks,
+        over which backward gathers the unit it resharded to after forward."""
         self.mp = mp
         self.offload = offload
         kinds = "+".join(type(m).__name__ for m in modules)
@@ -132,6 +137,8 @@ class FSDPState:
         self.is_root = False
         self.runtime: Runtime | None = None
         """Where the unit's collectives and plans run (its root's, for its mesh; set at lazy init)."""
+        self.post_forward_runtime: Runtime | None = None
+        """The runtime of ``post_forward_mesh`` (set at lazy init where there is one)."""
         if group is not None:
             group.hook_grads(functools.partial(_arrived, weakref.ref(self)))
         if group is not None:
@@ -161,7 +168,13 @@ class FSDPState:
     @property
     def reshards_after_forward(self) -> bool:
         value = self.settings.reshard_after_forward
-        return (not self.is_root) if value is None else value
+        return (not self.is_root) if value is None else bool(value)
+
+    @property
+    def post_forward_size(self) -> int | None:
+        """The size of the groups the unit reshards to after forward, where not the shard group."""
+        value = self.settings.reshard_after_forward
+        return None if value is None or isinstance(value, bool) else value
 
     def request(self, roles: frozenset[InputRole]) -> PlanRequest:
         """The plan request of this unit's post-backward with the carried ``roles``."""
@@ -266,6 +279,8 @@ def lazy_init(state: FSDPState) -> RootContext:
         s.ctx = ctx
         s.is_root = s is state
         s.runtime = ctx.runtime(s.mesh)
+        if s.post_forward_mesh is not None:
+            s.post_forward_runtime = ctx.runtime(s.post_forward_mesh)
         if s.group is not None:
             s.group.materialize()
     ctx.all_runtimes = ctx.runtimes
@@ -345,7 +360,11 @@ def _post_forward(state: FSDPState, module: nn.Module, args: tuple[Any, ...], kw
     group = state.group
     if group is not None:
         if state.reshards_after_forward:
-            group.free_unsharded()
+            size, small = state.post_forward_size, state.post_forward_runtime
+            if size is not None and small is not None:
+                group.reshard_post_forward(small, size)
+            else:
+                group.free_unsharded()
             group.use_sharded()
         if torch.is_grad_enabled():
             hook = functools.partial(_pre_backward, weakref.ref(state))

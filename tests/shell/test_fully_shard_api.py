@@ -90,6 +90,20 @@ def test_a_2d_mesh_places_replicate_then_shard_and_ignored_parameters_stay_plain
     assert not isinstance(model.down.weight, DTensor) and model.down.weight.shape == (6, 9)
 
 
+def test_an_int_reshard_after_forward_is_a_group_size_one_and_the_shard_groups_are_bools(world: None) -> None:
+    sizes, meshes = {}, []
+    for n in (1, 2, 4, 2):
+        model = Block()
+        fully_shard(model, reshard_after_forward=n)
+        state = state_of(model)
+        assert state is not None
+        small = state.post_forward_mesh
+        sizes[n] = (state.settings.reshard_after_forward, None if small is None else small.mesh.tolist())
+        meshes.append(small)
+    assert sizes == {1: (False, None), 2: (2, [0, 1]), 4: (True, None)}  # rank 1's group: ranks 0 and 1
+    assert meshes[1] is meshes[3]  # made once for the mesh and size
+
+
 def test_frozen_parameters_are_sharded_but_only_trainable_ones_are_reduced(world: None) -> None:
     model = Block()
     model.up.requires_grad_(False)
@@ -103,7 +117,8 @@ def test_frozen_parameters_are_sharded_but_only_trainable_ones_are_reduced(world
 @pytest.mark.parametrize(
     ("kwargs", "error", "says"),
     [
-        ({"reshard_after_forward": 2}, NotImplementedError, "reshard_after_forward: an int"),
+        ({"reshard_after_forward": 3}, ValueError, "reshard_after_forward: an int is the size of the groups"),
+        ({"reshard_after_forward": 0}, ValueError, "reshard_after_forward: an int is the size of the groups"),
         ({"reshard_after_forward": "yes"}, TypeError, "reshard_after_forward: expected None, a bool"),
         ({"offload_policy": CPUOffloadPolicy()}, ValueError, "offload_policy: pin_memory=True pins for an"),
         ({"mp_policy": "bf16"}, TypeError, "mp_policy: expected torch.distributed.fsdp.MixedPrecisionPolicy"),
