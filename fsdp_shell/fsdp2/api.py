@@ -99,7 +99,7 @@ def fully_shard(
             "CPUOffloadPolicy(pin_memory=False)"
         )
     ignored = set() if ignored_params is None else set(ignored_params)
-    params, slots, names = _managed(modules, ignored)
+    params, slots, names = _managed(modules, ignored, mesh)
     group = None
     if params:
         group = _group(params, slots, names, mesh, shard_placement_fn, mp_policy)
@@ -172,8 +172,25 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())  # pragma: no cover
 
 
+def _check_tp(name: str, param: DTensor, mesh: DeviceMesh) -> None:
+    """A parameter that is already a ``DTensor`` (tensor parallelism) is sharded on ``mesh`` over
+    its local tensor: its own mesh must be 1-D, another part of the same mesh as ``mesh``."""
+    if param.device_mesh.ndim != 1:
+        raise NotImplementedError(
+            f"module: parameter {name!r} is a DTensor on a {param.device_mesh.ndim}-D mesh; fsdp_shell's "
+            "fully_shard composes with 1-D tensor parallelism only"
+        )
+    try:
+        DeviceMesh._concatenate([mesh, param.device_mesh])
+    except RuntimeError as error:
+        raise ValueError(
+            f"mesh: parameter {name!r} is a DTensor on a mesh that is not another dimension of the same "
+            f"DeviceMesh as mesh ({error}); pass mesh=world_mesh['dp'] and parallelize with world_mesh['tp']"
+        ) from error
+
+
 def _managed(
-    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], mesh: DeviceMesh
 ) -> tuple[list[nn.Parameter], list[list[Slot]], list[str]]:
     """The parameters ``fully_shard(modules)`` manages, in FSDP2's order (modules in post-order,
     each one's own parameters), where each is registered, and its name under the given module."""
@@ -205,11 +222,8 @@ def _managed(
             if maybe is None or maybe in ignored:
                 continue
             p = maybe
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"module: parameter {names_of.get(id(p), name)!r} is already a DTensor (tensor "
-                    "parallelism); fully_shard on a (dp, tp) mesh is not supported by fsdp_shell yet"
-                )
+            if isinstance(p, DTensor) and id(p) not in index:
+                _check_tp(names_of.get(id(p), name), p, mesh)
             if id(p) not in index:
                 index[id(p)] = len(params)
                 params.append(p)
@@ -241,7 +255,8 @@ def _group(
                 if not isinstance(placement, Shard):
                     raise TypeError(f"shard_placement_fn: expected Shard(dim) or None for {name!r}, got {placement!r}")
                 dim = placement.dim % max(p.dim(), 1)
-        specs.append(ShardedParam(name=name, shape=tuple(p.shape), shard_dim=dim))
+        local = p.to_local() if isinstance(p, DTensor) else p  # tensor parallelism: its local tensor
+        specs.append(ShardedParam(name=name, shape=tuple(local.shape), shard_dim=dim))
     world = mesh.size(mesh.ndim - 1)
     layout = PerParamLayout(params=tuple(specs), dtype=params[0].dtype, world=world)
     device = (

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_core import InputRole, PerParamLayout, Plan, ShardedParam, ShardView, UnitDtypes
 from fsdp_shell.runtime.collectives import Pending, release
@@ -63,8 +64,14 @@ class ParamGroup:
             if self.grad_index
             else None
         )
-        self._meta = [_dtensor_meta(spec, mesh.ndim) for spec in layout.params]
-        """Per parameter: its placements, global shape and stride (every ``DTensor`` of it)."""
+        self._tp: list[tuple[DeviceMesh, tuple[Placement, ...]] | None] = [
+            (p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None for p in params
+        ]
+        """Per parameter already a ``DTensor`` (tensor parallelism): its mesh and placements, the
+        unsharded parameter's; the layout shards its local tensor."""
+        self._meta = [_dtensor_meta(spec, mesh, p) for spec, p in zip(layout.params, params)]
+        """Per parameter: the mesh, placements, global shape and stride of its sharded ``DTensor``
+        and ``.grad``."""
         self._views: list[tuple[int, int, torch.Size]] = []
         """Per parameter that takes gradients: offset, numel and shape of this rank's shard in
         the reduced gradient (its ``.grad``'s local tensor), worked out once."""
@@ -81,12 +88,14 @@ class ParamGroup:
                 padded = torch.empty(layout.padded_sharded_shape(i), dtype=p.dtype, device="meta")
             else:
                 with torch.no_grad():
-                    padded = padded_shard(layout, i, p.detach().to(device), self.rank)
+                    padded = padded_shard(layout, i, _local(p.detach()).to(device), self.rank)
             self._padded.append(padded)
             local = padded.narrow(layout.params[i].shard_dim, 0, layout.rows(i, self.rank))
             self.sharded.append(nn.Parameter(self._dtensor(i, local), requires_grad=p.requires_grad))
         self._on_grad: Callable[[torch.Tensor], None] | None = None
         self.unsharded: list[nn.Parameter] = []
+        self._wholes: list[torch.Tensor] = []
+        """The unsharded parameters' (local) tensors."""
         self._stacked: list[torch.Tensor] = []
         self._own_storages: list[torch.UntypedStorage] = []
         """What the unsharded parameters' memory is: freed and refilled."""
@@ -120,14 +129,15 @@ class ParamGroup:
         self._stacked = [
             torch.empty(layout.gathered_shape(i), dtype=compute, device=device) for i in range(len(layout.params))
         ]
-        self.unsharded = []
-        for spec, stacked, sharded in zip(layout.params, self._stacked, self.sharded):
+        self.unsharded, self._wholes = [], []
+        for i, (spec, stacked, sharded) in enumerate(zip(layout.params, self._stacked, self.sharded)):
             if spec.shard_dim == 0:
                 whole = stacked.narrow(0, 0, spec.rows)
             else:
                 whole = torch.empty(spec.shape, dtype=compute, device=device)
-            self.unsharded.append(nn.Parameter(whole, requires_grad=sharded.requires_grad))
-        others = [u for u, spec in zip(self.unsharded, layout.params) if spec.shard_dim != 0]
+            self._wholes.append(whole)
+            self.unsharded.append(nn.Parameter(self._unsharded_value(i, whole), requires_grad=sharded.requires_grad))
+        others = [w for w, spec in zip(self._wholes, layout.params) if spec.shard_dim != 0]
         owned = (*self._stacked, *others)
         self._own_storages = [t.untyped_storage() for t in owned]
         self._own_nbytes = [t.numel() * t.element_size() for t in owned]
@@ -175,8 +185,17 @@ class ParamGroup:
             self._build_unsharded(moved)
 
     def _dtensor(self, index: int, local: torch.Tensor) -> DTensor:
-        placements, shape, stride = self._meta[index]
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        mesh, placements, shape, stride = self._meta[index]
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def _unsharded_value(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        """What the unsharded parameter ``index`` is: its whole (local) tensor, a ``DTensor`` over
+        it on the tensor-parallel mesh where the parameter was one."""
+        tp = self._tp[index]
+        if tp is None:
+            return whole
+        _, _, shape, stride = self._meta[index]
+        return DTensor.from_local(whole, tp[0], tp[1], run_check=False, shape=shape, stride=stride)
 
     # -- which tensors the modules hold ---------------------------------------------------
 
@@ -258,7 +277,7 @@ class ParamGroup:
             for i, spec in enumerate(layout.params):
                 if spec.shard_dim != 0:
                     chunks = self._stacked[i].chunk(layout.world, dim=0)
-                    self.unsharded[i].data.copy_(torch.cat(chunks, dim=spec.shard_dim))
+                    self._wholes[i].data.copy_(torch.cat(chunks, dim=spec.shard_dim))
         release(gathered)  # now, not when gloo's threads let go of it
         self.gathered = True
 
@@ -312,7 +331,13 @@ class ParamGroup:
             p = self.unsharded[i]
             g = p.grad
             p.grad = None
-            out.append(torch.zeros(p.shape, dtype=self.dtypes.compute, device=self.device) if g is None else g)
+            if g is None:
+                g = torch.zeros(self._wholes[i].shape, dtype=self.dtypes.compute, device=self.device)
+            elif isinstance(g, DTensor):  # tensor parallelism: the local gradient, placed as the parameter
+                tp = self._tp[i]
+                assert tp is not None
+                g = (g if tuple(g.placements) == tp[1] else g.redistribute(placements=tp[1])).to_local()
+            out.append(g)
         return tuple(out)
 
     def restore_pending(self) -> None:
@@ -326,7 +351,7 @@ class ParamGroup:
             return
         del self.carried[InputRole.PENDING_UNSHARDED]
         for i, g in zip(self.grad_index, pending):
-            self.unsharded[i].grad = g
+            self.unsharded[i].grad = self._unsharded_value(i, g)
 
     @property
     def has_grads(self) -> bool:
@@ -400,13 +425,26 @@ class ParamGroup:
         return torch.empty(numel, dtype=dtype, device="cpu")
 
 
-def _dtensor_meta(spec: ShardedParam, mesh_dims: int) -> tuple[tuple[Placement, ...], torch.Size, tuple[int, ...]]:
-    """A parameter's placements on a mesh of ``mesh_dims`` dimensions (``Shard(dim)``, after
-    ``Replicate()`` on a 2-D mesh), its global shape and contiguous stride."""
+def _dtensor_meta(
+    spec: ShardedParam, mesh: DeviceMesh, param: torch.Tensor
+) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]]:
+    """A sharded parameter's mesh, placements, global shape and stride, as FSDP2 places it:
+    ``Shard(dim)`` on the shard dimension, after ``Replicate()`` on a 2-D mesh. A parameter that is
+    already a ``DTensor`` (tensor parallelism) is placed on the data-parallel mesh's dimensions
+    followed by its own (their concatenation), its placements after those, and ``Shard`` becomes
+    ``_StridedShard`` where its own placements shard the same dimension; its shape and stride are
+    the global ones."""
     shard: Placement = Shard(spec.shard_dim)
-    shape = torch.Size(spec.shape)
-    stride = torch.empty(shape, device="meta").stride()
-    return ((Replicate(), shard) if mesh_dims == 2 else (shard,)), shape, stride
+    if not isinstance(param, DTensor):
+        shape = torch.Size(spec.shape)
+        stride = torch.empty(shape, device="meta").stride()
+        return mesh, ((Replicate(), shard) if mesh.ndim == 2 else (shard,)), shape, stride
+    split = param._spec.num_shards_map[spec.shard_dim]
+    if split > 1:
+        shard = _StridedShard(spec.shard_dim, split_factor=split)
+    placements = ((Replicate(), shard) if mesh.ndim == 2 else (shard,)) + tuple(param.placements)
+    both = DeviceMesh._concatenate([mesh, param.device_mesh])
+    return both, placements, param.shape, tuple(param.stride())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

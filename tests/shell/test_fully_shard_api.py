@@ -104,6 +104,26 @@ def test_an_int_reshard_after_forward_is_a_group_size_one_and_the_shard_groups_a
     assert meshes[1] is meshes[3]  # made once for the mesh and size
 
 
+def test_tensor_parallel_parameters_must_be_on_a_1d_part_of_the_same_mesh(world: None) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    world_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Block()
+    model.up.weight = nn.Parameter(distribute_tensor(model.up.weight.detach(), world_mesh["tp"], [Shard(0)]))
+    fully_shard(model, mesh=world_mesh["dp"])
+    up = model.up.weight
+    assert isinstance(up, DTensor) and up.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert up.to_local().shape == (2, 6)  # rank 1 (dp 0, tp 1): rows 5-8 of 9 for tp 1, the first 2 for dp 0
+    two_d = Block()
+    two_d.up.weight = nn.Parameter(distribute_tensor(two_d.up.weight.detach(), world_mesh, [Shard(0), Shard(1)]))
+    with pytest.raises(NotImplementedError, match=r"^module: parameter 'up.weight' is a DTensor on a 2-D mesh"):
+        fully_shard(two_d, mesh=world_mesh["dp"])
+    elsewhere = Block()  # on the dp dimension itself
+    elsewhere.up.weight = nn.Parameter(distribute_tensor(elsewhere.up.weight.detach(), world_mesh["dp"], [Shard(0)]))
+    with pytest.raises(ValueError, match=r"^mesh: parameter 'up.weight' is a DTensor on a mesh that is not another"):
+        fully_shard(elsewhere, mesh=world_mesh["dp"])
+
+
 def test_frozen_parameters_are_sharded_but_only_trainable_ones_are_reduced(world: None) -> None:
     model = Block()
     model.up.requires_grad_(False)

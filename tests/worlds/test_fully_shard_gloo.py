@@ -313,6 +313,112 @@ def test_fully_shard_trains_as_pytorchs_fully_shard(case: Case) -> None:
     assert run_world(case.world, train_against_fsdp2, case, timeout=240) == [[]] * case.world
 
 
+# -- with tensor parallelism on a (dp, tp) mesh -----------------------------------------------------
+
+
+class TPBlock(nn.Module):
+    """Parallelized as torchtitan parallelizes a block: the norm sequence-parallel (its weight's
+    gradient comes out ``Partial`` and is made ``Replicate`` before FSDP reduces it), ``up``
+    column-parallel (5 rows per tp rank, then 3 and 2 per dp rank), ``down`` row-parallel back to
+    the sequence shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 10)
+        self.down = nn.Linear(10, DIM)
+        self.gain = nn.Parameter(torch.rand(DIM) + 0.5)  # not tensor-parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(torch.relu(self.up(self.norm(x)))) * self.gain
+        return out
+
+
+class TPNet(nn.Module):
+    """Embedding and head not tensor-parallel; the blocks see this tp rank's part of the sequence."""
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([TPBlock() for _ in range(2)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).chunk(self.tp_size, dim=1)[self.tp_rank]
+        for b in self.blocks:
+            x = b(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def tp_against_fsdp2(rank: int, world: int, arg: None) -> list[str]:
+    """FSDP on the ``dp`` dimension of a 2 x 2 ``(dp, tp)`` mesh, each block first parallelized
+    with torch's ``parallelize_module`` on ``tp`` (torchtitan's order): both libraries, the same
+    losses and parameters, each placed as FSDP2 places it (``_StridedShard`` where both shard
+    dimension 0); two micro-batches, the first without gradient sync."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    base = TPNet()
+    models = []
+    tp_rank = mesh["tp"].get_local_rank()
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for shard in (torch_fully_shard, fully_shard):
+        model = TPNet(tp_rank, 2)
+        model.load_state_dict(base.state_dict())
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
+            shard(block, mesh=mesh["dp"])
+        shard(model, mesh=mesh["dp"])
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+    problems: list[str] = []
+    dp_rank = mesh["dp"].get_local_rank()
+    for step in range(3):
+        gen = torch.Generator().manual_seed(1000 * step + dp_rank)  # the same batches across tp
+        batches = [torch.randint(0, VOCAB, (3, 7), generator=gen) for _ in range(2)]
+        losses = []
+        for model, opt in models:
+            total = 0.0
+            for k, tokens in enumerate(batches):
+                model.set_requires_gradient_sync(k == 1)  # type: ignore[operator]  # FSDPModule's (both libraries')
+                logits = model(tokens[:, :-1])  # of this tp rank's 3 of the 6 positions
+                targets = tokens[:, 1:].chunk(2, dim=1)[tp_rank]
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) / 2
+                loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+                total += loss.item()
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        if abs(losses[0] - losses[1]) > 1e-6 * max(1.0, abs(losses[0])):
+            problems.append(f"step {step}: loss {losses[1]} where FSDP2's is {losses[0]}")
+    (theirs, _), (ours, _) = models
+    for (name, p), (_, q) in zip(theirs.named_parameters(), ours.named_parameters(), strict=True):
+        assert isinstance(p, DTensor) and isinstance(q, DTensor)
+        if (p.device_mesh.mesh_dim_names, p.placements) != (q.device_mesh.mesh_dim_names, q.placements):
+            problems.append(f"{name}: placed {q.placements} on {q.device_mesh} where FSDP2 has {p.placements}")
+        elif p.to_local().shape != q.to_local().shape:
+            problems.append(f"{name}: local {tuple(q.to_local().shape)} where FSDP2's is {tuple(p.to_local().shape)}")
+        worst = (p.full_tensor() - q.full_tensor()).abs().max().item()
+        if worst > 1e-6:
+            problems.append(f"{name}: differs from FSDP2's by {worst:.3g}")
+    return problems
+
+
+def test_fully_shard_on_the_dp_dimension_composes_with_tensor_parallelism_as_pytorchs() -> None:
+    assert run_world(4, tp_against_fsdp2, None, timeout=240) == [[]] * 4
+
+
 # -- checkpoints interchange with PyTorch's FSDP2 ---------------------------------------------------
 
 
