@@ -17,6 +17,7 @@ from fsdp_core.plan.comm import CommVolume, all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Buffer,
     Cast,
     CommHookCall,
@@ -109,6 +110,7 @@ __all__ = [
     "PLAN_BUILDERS",
     "Accumulate",
     "AllReduce",
+    "AllReduceHookCall",
     "AwaitGather",
     "BackendCaps",
     "BackwardPrefetch",

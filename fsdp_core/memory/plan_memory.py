@@ -31,6 +31,7 @@ from fsdp_core.memory.allocator import EXACT, Allocator
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Buffer,
     Cast,
     CommHookCall,
@@ -311,7 +312,7 @@ class _Walk:
                     else:
                         self._bind(op.dst)
                 self._compute(op, op.stream)
-            case GradViews():
+            case GradViews() | AllReduceHookCall():  # on the CPU the all-reduce hook runs on the host
                 self._on_host(op)
             case HandOff():
                 self._on_host(op)

@@ -17,6 +17,7 @@ import torch
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Cast,
     CommHookCall,
     CopyIn,
@@ -172,6 +173,7 @@ def _volume(index: int, op: Op, request: PlanRequest) -> CommVolume | None:
             | Pad()
             | CopyIn()
             | Divide()
+            | AllReduceHookCall()
             | Accumulate()
             | Offload()
             | GradViews()

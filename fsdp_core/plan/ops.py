@@ -21,6 +21,7 @@ from fsdp_core.spec.per_param import PerParamLayout
 __all__ = [
     "Accumulate",
     "AllReduce",
+    "AllReduceHookCall",
     "Buffer",
     "Cast",
     "CommHookCall",
@@ -244,6 +245,16 @@ class AllReduce:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AllReduceHookCall:
+    """Call the unit's all-reduce hook (FSDP2's ``set_all_reduce_hook``) on ``buffer`` in place:
+    the reduced gradient in the reduce dtype, after the reductions and the division. The hook
+    may communicate over process groups of its own, which the plan does not see."""
+
+    buffer: Buffer
+    stream: Stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CommHookCall:
     """Call the registered communication hook: ``hook(state, src, dst)``, or ``hook(state, src)``
     in place when ``dst`` is ``src`` (``NO_SHARD``). The hook reduces over ``group`` and divides
@@ -319,6 +330,7 @@ Op = Union[
     Divide,
     ReduceScatter,
     AllReduce,
+    AllReduceHookCall,
     CommHookCall,
     Accumulate,
     Offload,
@@ -355,6 +367,8 @@ def op_name(op: Op) -> str:
             return "reduce_scatter"
         case AllReduce():
             return "all_reduce"
+        case AllReduceHookCall():
+            return "all_reduce_hook"
         case CommHookCall():
             return "comm_hook"
         case Accumulate():

@@ -22,6 +22,7 @@ from toolz import pipe
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Buffer,
     Cast,
     CommHookCall,
@@ -299,6 +300,18 @@ def all_reduce_stream(placement: HybridAllReduce) -> Stream:
             assert_never(placement)
 
 
+def _all_reduce_hook(d: Draft) -> Draft:
+    """FSDP2's ``set_all_reduce_hook``: once the gradient is reduced over every group and divided,
+    the unit's hook is called on it in place, on the all-reduce stream (FSDP2 calls it there,
+    before a division it splits around the reduction: fp16, or sums forced). Not on a kept
+    partial reduction: FSDP2 returns before the hook when it defers the all-reduce."""
+    r = d.request
+    if not r.all_reduce_hook or d.destination is Destination.PARTIAL:
+        return d
+    d = _switch_stream(d, all_reduce_stream(r.hybrid_all_reduce))
+    return _emit(d, AllReduceHookCall(buffer=d.grad, stream=d.stream))
+
+
 def _cast_to_grad_dtype(d: Draft) -> Draft:
     if d.destination is Destination.PARTIAL:
         return d
@@ -410,21 +423,20 @@ PLAN_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = MappingProxyType(
 
 _PER_PARAM_PROLOGUE: tuple[Stage, ...] = (_inputs, _to_post_backward_stream, _merge_pending_unsharded, _copy_in)
 
+_PER_PARAM_SHARD: tuple[Stage, ...] = (*_PER_PARAM_PROLOGUE, _reduce_scatter, _post_divide, _all_reduce_hook)
+_PER_PARAM_HYBRID: tuple[Stage, ...] = (*_PER_PARAM_PROLOGUE, _reduce_scatter, _replicate_all_reduce, _all_reduce_hook)
+
 PER_PARAM_BUILDERS: Mapping[ShardingStrategy, tuple[Stage, ...]] = MappingProxyType(
     {
-        ShardingStrategy.FULL_SHARD: (*_PER_PARAM_PROLOGUE, _reduce_scatter, _post_divide, *_FINALIZE),
-        ShardingStrategy.SHARD_GRAD_OP: (*_PER_PARAM_PROLOGUE, _reduce_scatter, _post_divide, *_FINALIZE),
-        ShardingStrategy.HYBRID_SHARD: (*_PER_PARAM_PROLOGUE, _reduce_scatter, _replicate_all_reduce, *_FINALIZE),
-        ShardingStrategy.HYBRID_SHARD_ZERO2: (
-            *_PER_PARAM_PROLOGUE,
-            _reduce_scatter,
-            _replicate_all_reduce,
-            *_FINALIZE,
-        ),
+        ShardingStrategy.FULL_SHARD: (*_PER_PARAM_SHARD, *_FINALIZE),
+        ShardingStrategy.SHARD_GRAD_OP: (*_PER_PARAM_SHARD, *_FINALIZE),
+        ShardingStrategy.HYBRID_SHARD: (*_PER_PARAM_HYBRID, *_FINALIZE),
+        ShardingStrategy.HYBRID_SHARD_ZERO2: (*_PER_PARAM_HYBRID, *_FINALIZE),
     }
 )
 """Strategy -> the stages of a per-parameter (``fully_shard``) unit's plan when gradients are
-synchronised: ``PLAN_BUILDERS``' with the copy-in for the cast and pad. Read-only."""
+synchronised: ``PLAN_BUILDERS``' with the copy-in for the cast and pad, and the all-reduce
+hook's call where the unit has one. Read-only."""
 
 NO_SYNC_STAGES: tuple[Stage, ...] = (_inputs, _merge_pending_unsharded, *_END_OF_BACKWARD)
 """The stages inside ``no_sync()``: accumulate locally, communicate nothing (both layouts)."""
@@ -458,6 +470,7 @@ def plan_post_backward(
     flags: StepFlags = StepFlags(),
     hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC,
     reshard_after_backward: bool | None = None,
+    all_reduce_hook: bool = False,
 ) -> Plan:
     """The gradient post-processing of one unit (a flat parameter or a per-parameter group) for
     one backward, as a ``Plan``.
@@ -475,6 +488,7 @@ def plan_post_backward(
         flags=flags,
         hybrid_all_reduce=hybrid_all_reduce,
         reshard_after_backward=reshard_after_backward,
+        all_reduce_hook=all_reduce_hook,
     )
     return build_plan(request)
 

@@ -10,6 +10,7 @@ from fsdp_core.plan.comm import comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Buffer,
     Cast,
     CommHookCall,
@@ -64,6 +65,8 @@ def describe_op(op: Op) -> str:
             return f"{op.src} -> {op.dst}  ({n} parameter(s)' chunks rank-major over {world}, padded)"
         case Divide():
             return f"{op.buffer.name} /= {op.factor:g}"
+        case AllReduceHookCall():
+            return f"{op.buffer}  the unit's all-reduce hook, in place"
         case ReduceScatter():
             return f"{op.src} -> {op.dst}  over {op.group.value}, {op.reduce_op}"
         case AllReduce():
@@ -164,6 +167,8 @@ def _op_json(op: Op) -> dict[str, JsonValue]:
             out.update(src=_buffer_json(op.src), dst=_buffer_json(op.dst), layout=layout)
         case Divide():
             out.update(buffer=_buffer_json(op.buffer), factor=op.factor)
+        case AllReduceHookCall():
+            out.update(buffer=_buffer_json(op.buffer))
         case ReduceScatter():
             out.update(
                 src=_buffer_json(op.src), dst=_buffer_json(op.dst), group=op.group.value, reduce_op=str(op.reduce_op)

@@ -21,6 +21,7 @@ from fsdp_core.plan.carry import carried_role
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Buffer,
     Cast,
     CommHookCall,
@@ -62,7 +63,8 @@ class PlanRequest:
 
     ``reshard_after_backward`` is ``fully_shard``'s setting (``set_reshard_after_backward``; None
     means True there); a flat parameter's strategy decides it, so it must stay None with a
-    ``FlatParamLayout``."""
+    ``FlatParamLayout``. ``all_reduce_hook``: the unit has one (``set_all_reduce_hook``; only
+    ``fully_shard`` units take one), called on the reduced gradient each step it is reduced."""
 
     layout: FlatParamLayout | PerParamLayout
     sharding: ShardingSpec
@@ -74,6 +76,7 @@ class PlanRequest:
     flags: StepFlags = StepFlags()
     hybrid_all_reduce: HybridAllReduce = HybridAllReduce.ASYNC
     reshard_after_backward: bool | None = None
+    all_reduce_hook: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -83,6 +86,11 @@ class PlanRequest:
             raise ValueError(
                 "reshard_after_backward: a flat parameter reshards as its sharding strategy says; "
                 "only a per-parameter (fully_shard) unit takes it, so leave it None"
+            )
+        elif self.all_reduce_hook:
+            raise ValueError(
+                "all_reduce_hook: only a per-parameter (fully_shard) unit takes an all-reduce hook; a flat "
+                "parameter takes comm_hook"
             )
         strategy = self.sharding.strategy
         flags = self.flags
@@ -237,6 +245,7 @@ def _check_types(request: PlanRequest) -> None:
         ("flags", StepFlags),
         ("hybrid_all_reduce", HybridAllReduce),
         ("reshard_after_backward", (bool, type(None))),
+        ("all_reduce_hook", (bool,)),
     )
     for name, kind in expected:
         value = getattr(request, name)
@@ -336,7 +345,7 @@ def buffers_of(op: Op) -> tuple[Buffer, ...]:
     """The buffers an op reads or writes: its ``buffer``, or its ``src`` then its ``dst`` (once
     when they are the same buffer); none for waits and the reshard."""
     match op:
-        case Input() | RecordStream() | Free() | Divide() | AllReduce() | GradViews() | HandOff():
+        case Input() | RecordStream() | Free() | Divide() | AllReduce() | AllReduceHookCall() | GradViews() | HandOff():
             return (op.buffer,)
         case Cast() | Pad() | CopyIn() | ReduceScatter() | CommHookCall() | Accumulate() | Offload():
             return (op.src,) if op.src == op.dst else (op.src, op.dst)

@@ -33,6 +33,7 @@ import torch
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Cast,
     CommHookCall,
     CopyIn,
@@ -205,6 +206,8 @@ def _step(
         case HandOff():
             return held[op.buffer.name]
         case WaitStream() | RecordStream() | Free() | FreeUnshardedParam() | GradViews() | EndOfBackwardWait():
+            pass
+        case AllReduceHookCall():  # what the user's hook does to the values is its own
             pass
         case _:
             assert_never(op)

@@ -21,6 +21,7 @@ import torch
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Buffer,
     Cast,
     CommHookCall,
@@ -211,6 +212,8 @@ class _Checker:
         self.bufs: dict[str, _BufState] = {}
         self.hand_offs: list[tuple[int, HandOff]] = []
         self.views: list[tuple[int, GradViews]] = []
+        self.hook_calls: list[tuple[int, Counter[Group] | None, float | None]] = []
+        """Each all-reduce hook call: where, and the reductions and scale of what it was shown."""
         self.input_roles: list[InputRole] = []
         self.index = -1
         self.expect = _expect(plan.request)
@@ -360,6 +363,10 @@ class _Checker:
                 self.op_all_reduce(op.buffer, op.group, op.reduce_op.scale(self.group_size(op.group)), op.stream)
             case CommHookCall():
                 self.op_hook(op)
+            case AllReduceHookCall():
+                st = self.write_in_place(op.buffer, self.tick(op.stream))
+                shown = (None, None) if st is None else (+st.value.reductions, st.value.scale)
+                self.hook_calls.append((self.index, *shown))
             case Accumulate():
                 self.op_accumulate(op)
             case Offload():
@@ -608,6 +615,25 @@ class _Checker:
         if len(self.hand_offs) == 1:
             self.check_hand_off(self.hand_offs[0], exp)
         self.check_views(exp)
+        self.check_all_reduce_hook(exp)
+
+    def check_all_reduce_hook(self, exp: _Expect) -> None:
+        """A unit with an all-reduce hook calls it once on every reduced gradient it hands to the
+        optimizer, after the reductions and the division; otherwise never."""
+        final = exp.destination in (Destination.SHARDED_GRAD, Destination.ACCUMULATED_GRAD, Destination.CPU_GRAD)
+        want = 1 if self.request.all_reduce_hook and final else 0
+        if len(self.hook_calls) != want:
+            self.report(
+                Rule.REDUCTION, f"the all-reduce hook is called {len(self.hook_calls)} time(s), expected {want}"
+            )
+        for index, reductions, scale in self.hook_calls:
+            divided = (
+                exp.total_divisor is None or scale is None or math.isclose(scale * exp.total_divisor, 1.0, rel_tol=1e-9)
+            )
+            if reductions is not None and (reductions != +exp.reductions or not divided):
+                self.report(
+                    Rule.REDUCTION, "the all-reduce hook is shown a gradient not yet reduced and divided", index
+                )
 
     def check_hand_off(self, where: tuple[int, HandOff], exp: _Expect) -> None:
         index, h = where

@@ -60,6 +60,7 @@ from fsdp_core.plan.comm import all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Cast,
     CommHookCall,
     CopyIn,
@@ -255,6 +256,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                 case FreeUnshardedParam():
                     gathered.pop(unit, None)
                 case Input() | RecordStream() | Free() | GradViews() | HandOff() | EndOfBackwardWait():
+                    pass
+                case AllReduceHookCall():  # the user's work, not modeled
                     pass
                 case _:
                     assert_never(op)

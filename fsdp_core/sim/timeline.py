@@ -20,6 +20,7 @@ from fsdp_core.plan.comm import all_gather_volume, comm_volume
 from fsdp_core.plan.ops import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Cast,
     CommHookCall,
     CopyIn,
@@ -88,6 +89,7 @@ def elementwise_bytes(op: Op) -> int:
             | CommHookCall()
             | Offload()
             | GradViews()
+            | AllReduceHookCall()
             | EndOfBackwardWait()
             | HandOff()
         ):
@@ -176,6 +178,7 @@ def simulate_timeline(
                 | Divide()
                 | Accumulate()
                 | GradViews()
+                | AllReduceHookCall()
                 | HandOff()
             ):
                 duration = cost.elementwise_seconds(elementwise_bytes(op))

@@ -87,7 +87,10 @@ class BackendCaps:
     """What the collective backend can do, an input to the division choice."""
 
     supports_avg: bool = False
-    """``ReduceOp.AVG`` (NCCL yes, gloo no)."""
+    """``ReduceOp.AVG`` (NCCL yes). Torch 2.13's gloo averages too, but taken as not: there the
+    average's peaks depend on timing (with ``AVG`` the HSDP backward peak of
+    ``tests/worlds/test_fully_shard_gloo.py`` moved by 6,272 bytes between two runs), while a sum
+    then an in-place division holds the same bytes every run."""
     supports_premul_sum: bool = False
     """``PREMUL_SUM`` (NCCL only)."""
 

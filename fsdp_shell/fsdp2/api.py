@@ -390,8 +390,20 @@ class FSDPModule:
         ``modules`` (each waited for at that module's backward)."""
         self._state().backward_prefetch = _states_of("modules", modules)
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object = None) -> NoReturn:
-        _unsupported("set_all_reduce_hook", "an all-reduce hook")
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object = None) -> None:
+        """Call ``hook(grad)`` on this module's reduced gradient every step it is reduced (not
+        recursive), in place: the reduce-scatter's output (after the replicate all-reduce on a 2-D
+        mesh) in the reduce dtype, divided, as FSDP2 shows it for fp32 and bf16 (FSDP2 shows fp16,
+        or sums forced by ``set_force_sum_reduction_for_comms``, before part of the division). It
+        runs on the all-reduce stream; on the CPU on the host thread once the reduction is done."""
+        if not callable(hook):
+            raise TypeError(f"hook: expected a callable taking the reduced gradient, got {hook!r}")
+        if stream is not None:
+            raise NotImplementedError(
+                "set_all_reduce_hook: stream (a stream of the caller's for the hook) is not supported by "
+                "fsdp_shell's fully_shard yet; the hook runs on the all-reduce stream"
+            )
+        self._state().change_hook(hook)
 
     def set_post_optim_event(self, event: object) -> NoReturn:
         _unsupported("set_post_optim_event", "a post-optimizer event (accelerator streams)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -124,6 +124,8 @@ class FSDPState:
         """``CPUOffloadPolicy``: the reduced gradient is handed off on the host (the plan's
         ``Offload``; on a CPU mesh the device is the host, so nothing is copied)."""
         self.settings = Settings()
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        """``set_all_reduce_hook``'s: called on the reduced gradient by the plan's hook op."""
         self.forward_prefetch: tuple[FSDPState, ...] = ()
         """Units whose all-gather this one's pre-forward issues after its own
         (``set_modules_to_forward_prefetch``)."""
@@ -154,6 +156,11 @@ class FSDPState:
     def change(self, **changes: Any) -> None:
         """Replace the settings (``FSDPModule``'s setters)."""
         self.settings = replace(self.settings, **changes)
+        self._plans = {}
+
+    def change_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Set the all-reduce hook (the plans then call it)."""
+        self.all_reduce_hook = hook
         self._plans = {}
 
     def step_plan(self, roles: frozenset[InputRole]) -> Plan:
@@ -198,6 +205,7 @@ class FSDPState:
             division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=caps, factor=s.gradient_divide_factor),
             flags=flags,
             reshard_after_backward=s.reshard_after_backward,
+            all_reduce_hook=self.all_reduce_hook is not None,
         )
 
 
@@ -446,7 +454,7 @@ def post_backward(state: FSDPState) -> None:
     it.reduced.add(id(state))
     group.reclaim()
     plan = state.step_plan(frozenset(group.carried))
-    run = PlanRun(plan, _runtime(state), group, group.take_grads())
+    run = PlanRun(plan, _runtime(state), group, group.take_grads(), all_reduce_hook=state.all_reduce_hook)
     group.use_sharded()
     with ctx.log.during(Phase.POST_BACKWARD), _waiting(state, "gradient reduction"):
         run.run_hook_ops()

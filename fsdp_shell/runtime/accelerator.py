@@ -194,6 +194,10 @@ class AcceleratorRuntime(Generic[S, E]):
     def on_host(self, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
         work()
 
+    def user_hook(self, stream: Stream, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
+        with self._on(stream):
+            work()
+
     def reduce_scatter(
         self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
     ) -> None:

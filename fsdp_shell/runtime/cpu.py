@@ -193,6 +193,9 @@ class CpuRuntime:
     def on_host(self, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
         self._run(self.order.on_host(tuple(id(t) for t in uses)), work)
 
+    def user_hook(self, stream: Stream, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
+        self.on_host(work, uses)
+
     def reduce_scatter(
         self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
     ) -> None:

@@ -342,6 +342,9 @@ class InProcessRuntime:
     def on_host(self, work: Callable[[], None], uses: tuple[Tensor, ...]) -> None:
         work()
 
+    def user_hook(self, stream: Stream, work: Callable[[], None], uses: tuple[Tensor, ...]) -> None:
+        work()
+
     def reduce_scatter(
         self, stream: Stream, group: Group, dst: Tensor, src: Tensor, op: ReduceOpSpec, *, src_dies: bool
     ) -> None:

@@ -24,6 +24,7 @@ import torch
 from fsdp_core import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Buffer,
     Cast,
     CommHookCall,
@@ -92,12 +93,14 @@ class PlanRun:
         owner: PlanOwner,
         grad: Grads,
         comm_hook: CommHookFn | None = None,
+        all_reduce_hook: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.plan = plan
         self._runtime = runtime
         self._owner = owner
         self._grad: Grads | None = grad
         self._comm_hook = comm_hook
+        self._all_reduce_hook = all_reduce_hook
         self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}
         """Each live buffer's tensors: one, or a per-parameter unit's gradients (``_multi``)."""
         self._multi: set[str] = set()
@@ -200,6 +203,12 @@ class PlanRun:
                 rt.all_reduce(op.stream, op.group, self._tensor(op.buffer), op.reduce_op)
             case CommHookCall():
                 self._hook_call(op)
+            case AllReduceHookCall():
+                hook = self._all_reduce_hook
+                if hook is None:
+                    raise RuntimeError("the plan calls the unit's all-reduce hook but none is registered")
+                t = self._tensor(op.buffer)
+                rt.user_hook(op.stream, partial(hook, t), (t,))
             case Accumulate():
                 dsts, srcs = self._parts(op.dst), self._parts(op.src)
                 rt.compute(op.stream, partial(torch._foreach_add_, list(dsts), list(srcs)), (*dsts, *srcs))

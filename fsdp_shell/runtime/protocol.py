@@ -58,6 +58,12 @@ class Runtime(Protocol):
         """Run ``work`` on the host thread once every earlier work on ``uses`` is done (it hands
         them to autograd or to the optimizer)."""
 
+    def user_hook(self, stream: Stream, work: Callable[[], None], uses: tuple[torch.Tensor, ...]) -> None:
+        """Run a user's hook on ``uses`` (FSDP2's all-reduce hook) in ``stream``'s order: on a
+        device issued from the host thread with ``stream`` current, as FSDP2 does; on the CPU on
+        the host thread once every earlier work on ``uses`` is done, so that the collectives it
+        may issue on its own process groups come in program order."""
+
     def reduce_scatter(
         self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
     ) -> None:

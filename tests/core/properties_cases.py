@@ -5,7 +5,8 @@ sizes 1..1024 (hybrid: a divisor of the world as shard size), every strategy, an
 combination of mixed precision, offload, ``use_orig_params``, comm hook, division and step flags
 that the constructors accept (``requests``), or any combination at all (``raw_configs``). One
 request in four is a per-parameter (``fully_shard``) unit's (``per_param_layouts``): every
-sharded strategy, shard dimensions other than 0 where they divide, ``reshard_after_backward``. ``CI``
+sharded strategy, shard dimensions other than 0 where they divide, ``reshard_after_backward``,
+an all-reduce hook. ``CI``
 and ``LIGHT`` are the properties' hypothesis budgets.
 """
 
@@ -182,7 +183,7 @@ def requests(draw: st.DrawFn) -> PlanRequest:
 def per_param_requests(draw: st.DrawFn) -> PlanRequest:
     """A valid per-parameter (``fully_shard``) request: a sharded strategy, the layout sharded
     over its shard group, no comm hook, ``use_orig_params`` or low-precision gradients (refused
-    there), ``reshard_after_backward`` any."""
+    there), ``reshard_after_backward`` and ``all_reduce_hook`` any."""
     sharding = draw(shardings(draw(st.sampled_from([s for s in ShardingStrategy if s.is_sharded]))))
     mp = draw(mixed_precisions.map(lambda m: MixedPrecision(param_dtype=m.param_dtype, reduce_dtype=m.reduce_dtype)))
     f = dict(zip(FLAG_NAMES, draw(flag_values)))
@@ -201,6 +202,7 @@ def per_param_requests(draw: st.DrawFn) -> PlanRequest:
         if sharding.strategy.is_hybrid
         else HybridAllReduce.ASYNC,
         reshard_after_backward=draw(st.none() | st.booleans()),
+        all_reduce_hook=draw(st.booleans()),
     )
 
 

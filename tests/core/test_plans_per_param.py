@@ -19,6 +19,7 @@ import pytest
 from fsdp_core import (
     Accumulate,
     AllReduce,
+    AllReduceHookCall,
     Cast,
     CommHook,
     CopyIn,
@@ -236,3 +237,51 @@ def test_only_a_per_parameter_unit_takes_reshard_after_backward() -> None:
     kept = PlanRequest(layout=UNIT, sharding=FULL, reshard_after_backward=False)
     assert (kept.should_free_in_backward, kept.reshards_after_backward) == (False, False)
     assert PlanRequest(layout=UNIT, sharding=FULL).should_free_in_backward
+
+
+def test_an_all_reduce_hook_is_called_on_the_reduced_and_divided_gradient_on_the_all_reduce_stream() -> None:
+    """FSDP2's ``set_all_reduce_hook``: after the reduce-scatter and the division, on the all-reduce
+    stream, where the rest then runs; the optimizer's gradient is what the hook left."""
+    plan = plan_post_backward(UNIT, FULL, division=GLOO_FSDP2, all_reduce_hook=True)
+    shard = buf("shard", 12)
+    assert plan.ops[8:] == (
+        Divide(buffer=shard, factor=2.0, stream=PB),
+        WaitStream(stream=AR, waits_for=PB),
+        RecordStream(buffer=shard, stream=AR),
+        AllReduceHookCall(buffer=shard, stream=AR),
+        EndOfBackwardWait(stream=C, waits_for=PB),
+        EndOfBackwardWait(stream=C, waits_for=AR),
+        GradViews(buffer=shard, views=RANK1, stream=C),
+        HandOff(buffer=shard, destination=Destination.SHARDED_GRAD, stream=C),
+    )
+    assert check_plan(plan) == []
+    assert "all_reduce_hook" in format_plan(plan)
+
+
+def test_hsdp_calls_the_hook_after_the_all_reduce_and_not_on_a_kept_partial_reduction() -> None:
+    plan = plan_post_backward(UNIT, HYBRID, division=GLOO_FSDP2, all_reduce_hook=True)
+    kinds = [type(op).__name__ for op in plan.ops]
+    assert kinds.index("AllReduceHookCall") == kinds.index("Divide") + 1 > kinds.index("AllReduce")
+    assert check_plan(plan) == []
+    kept = plan_post_backward(
+        UNIT, HYBRID, division=GLOO_FSDP2, all_reduce_hook=True, flags=StepFlags(requires_all_reduce=False)
+    )
+    assert not any(isinstance(op, AllReduceHookCall) for op in kept.ops) and check_plan(kept) == []
+    no_sync = plan_post_backward(UNIT, FULL, all_reduce_hook=True, flags=StepFlags(sync_gradients=False))
+    assert not any(isinstance(op, AllReduceHookCall) for op in no_sync.ops) and check_plan(no_sync) == []
+
+
+def test_the_verifier_refuses_a_hook_too_early_missing_or_not_asked_for() -> None:
+    plan = plan_post_backward(UNIT, FULL, division=GLOO_FSDP2, all_reduce_hook=True)
+    ops = list(plan.ops)
+    (at,) = [i for i, op in enumerate(ops) if isinstance(op, AllReduceHookCall)]
+    divide = next(i for i, op in enumerate(ops) if isinstance(op, Divide))
+    early = [*ops[:divide], dataclasses.replace(ops[at], stream=PB), *ops[divide:at], *ops[at + 1 :]]
+    problems = check_plan(dataclasses.replace(plan, ops=tuple(early)))
+    assert [p.message for p in problems] == ["the all-reduce hook is shown a gradient not yet reduced and divided"]
+    missing = check_plan(dataclasses.replace(plan, ops=tuple(ops[:at] + ops[at + 1 :])))
+    assert [p.message for p in missing] == ["the all-reduce hook is called 0 time(s), expected 1"]
+    unasked = dataclasses.replace(plan, request=dataclasses.replace(plan.request, all_reduce_hook=False))
+    assert [p.message for p in check_plan(unasked)] == ["the all-reduce hook is called 1 time(s), expected 0"]
+    with pytest.raises(ValueError, match=r"^all_reduce_hook: only a per-parameter \(fully_shard\) unit takes"):
+        PlanRequest(layout=FlatParamLayout.of([("w", (4,))], F32), sharding=FULL, all_reduce_hook=True)

@@ -98,7 +98,7 @@ def test_every_verifier_rule_is_documented() -> None:
 def test_every_op_type_is_documented() -> None:
     text = read("plan-reference.md")
     op_types: tuple[type, ...] = typing.get_args(Op)
-    assert len(op_types) == 17
+    assert len(op_types) == 18
     missing = [t.__name__ for t in op_types if f"### `{t.__name__}`" not in text]
     assert missing == []
 

@@ -178,7 +178,6 @@ def test_other_refusals_name_the_argument(world: None) -> None:
 @pytest.mark.parametrize(
     ("method", "args"),
     [
-        ("set_all_reduce_hook", (print,)),
         ("set_post_optim_event", (None,)),
         ("set_custom_all_gather", (None,)),
         ("set_custom_reduce_scatter", (None,)),
@@ -189,6 +188,14 @@ def test_unsupported_methods_raise_naming_themselves(world: None, method: str, a
     model = fully_shard(Block())
     with pytest.raises(NotImplementedError, match=f"{method}: "):
         getattr(model, method)(*args)
+
+
+def test_set_all_reduce_hook_refuses_a_non_callable_and_a_stream(world: None) -> None:
+    model = fully_shard(Block())
+    with pytest.raises(TypeError, match=r"^hook: expected a callable"):
+        model.set_all_reduce_hook(3)  # type: ignore[arg-type]  # a bad value on purpose
+    with pytest.raises(NotImplementedError, match=r"^set_all_reduce_hook: stream \(a stream of the caller's"):
+        model.set_all_reduce_hook(print, stream=object())
 
 
 def test_the_setters_check_and_record_their_values(world: None) -> None:

@@ -419,6 +419,62 @@ def test_fully_shard_on_the_dp_dimension_composes_with_tensor_parallelism_as_pyt
     assert run_world(4, tp_against_fsdp2, None, timeout=240) == [[]] * 4
 
 
+# -- an all-reduce hook: HSDP by hand --------------------------------------------------------------
+
+
+def hook_against_fsdp2(rank: int, world: int, arg: None) -> list[str]:
+    """``set_all_reduce_hook`` on every unit of a model sharded over pairs of ranks, the hook
+    averaging the reduced gradient across the pairs (HSDP by hand, as with a replicate group of
+    one's own): both libraries call it as often, then train to the same losses and parameters,
+    which native HSDP on a 2 x 2 mesh also reaches."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    across = mesh["replicate"].get_group()
+    torch.manual_seed(0)
+    base = Net(tied=False)
+    calls = {"theirs": 0, "ours": 0}
+
+    def averaging(who: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            calls[who] += 1
+            dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=across)
+
+        return hook
+
+    models = []
+    for who, shard, on in (("theirs", torch_fully_shard, mesh["shard"]), ("ours", fully_shard, mesh["shard"])):
+        model, opt = _build(Case(4, (2,)), on, shard, base)
+        for m in model.modules():
+            if isinstance(m, FSDPModule) or hasattr(m, "set_all_reduce_hook"):
+                m.set_all_reduce_hook(averaging(who))  # type: ignore[operator]  # FSDPModule's (both libraries')
+        models.append((model, opt))
+    native = _build(Case(4, (2, 2)), mesh, fully_shard, base)
+    problems: list[str] = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        batches = [torch.randint(0, VOCAB, (3, 7), generator=gen)]
+        losses = [_step(Case(4, (2,)), model, opt, batches) for model, opt in (*models, native)]
+        if max(losses) - min(losses) > 1e-6 * max(1.0, abs(losses[0])):
+            problems.append(f"step {step}: losses FSDP2 {losses[0]}, ours {losses[1]}, ours native HSDP {losses[2]}")
+    if calls["ours"] != calls["theirs"] or calls["ours"] != 4 * 3:
+        problems.append(f"hook calls: ours {calls['ours']}, FSDP2's {calls['theirs']}, expected 4 units x 3 steps")
+    (theirs, _), (ours, _), (hsdp, _) = (*models, native)
+    for (name, p), (_, q), (_, h) in zip(
+        theirs.named_parameters(), ours.named_parameters(), hsdp.named_parameters(), strict=True
+    ):
+        assert isinstance(p, DTensor) and isinstance(q, DTensor) and isinstance(h, DTensor)
+        worst = max(
+            (p.full_tensor() - q.full_tensor()).abs().max().item(),
+            (q.full_tensor() - h.full_tensor()).abs().max().item(),
+        )
+        if worst > 1e-6:
+            problems.append(f"{name}: differs by {worst:.3g}")
+    return problems
+
+
+def test_an_all_reduce_hook_is_called_as_pytorchs_and_averages_across_replicas_as_hsdp() -> None:
+    assert run_world(4, hook_against_fsdp2, None, timeout=240) == [[]] * 4
+
+
 # -- checkpoints interchange with PyTorch's FSDP2 ---------------------------------------------------
 
 
