@@ -405,8 +405,13 @@ class FSDPModule:
             )
         self._state().change_hook(hook)
 
-    def set_post_optim_event(self, event: object) -> NoReturn:
-        _unsupported("set_post_optim_event", "a post-optimizer event (accelerator streams)")
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The root's next forward makes its all-gathers wait for ``event`` (recorded after the
+        optimizer's step), then drops it: call it with a new event every step. On a CPU mesh there
+        is no stream to order: the step is done when forward starts."""
+        if not isinstance(event, torch.Event):
+            raise TypeError(f"event: expected a torch.Event recorded after the optimizer step, got {event!r}")
+        self._state().post_optim_event = event
 
     def set_custom_all_gather(self, comm: object) -> NoReturn:
         _unsupported("set_custom_all_gather", "custom collectives")

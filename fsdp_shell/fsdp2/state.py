@@ -124,6 +124,8 @@ class FSDPState:
         """``CPUOffloadPolicy``: the reduced gradient is handed off on the host (the plan's
         ``Offload``; on a CPU mesh the device is the host, so nothing is copied)."""
         self.settings = Settings()
+        self.post_optim_event: torch.Event | None = None
+        """``set_post_optim_event``'s, on a root: waited for at its next forward, then dropped."""
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         """``set_all_reduce_hook``'s: called on the reduced gradient by the plan's hook op."""
         self.forward_prefetch: tuple[FSDPState, ...] = ()
@@ -389,6 +391,9 @@ def _begin_iteration(ctx: RootContext) -> None:
         abandon_backward(ctx)
     for runtime in ctx.all_runtimes:
         runtime.settle()
+    event, ctx.root.post_optim_event = ctx.root.post_optim_event, None
+    if event is not None and event.device.type != "cpu":  # pragma: no cover  (needs an accelerator)
+        event.wait()  # the current stream, where the all-gathers are issued, waits for the step
 
 
 # -- backward -----------------------------------------------------------------------------------

@@ -178,7 +178,6 @@ def test_other_refusals_name_the_argument(world: None) -> None:
 @pytest.mark.parametrize(
     ("method", "args"),
     [
-        ("set_post_optim_event", (None,)),
         ("set_custom_all_gather", (None,)),
         ("set_custom_reduce_scatter", (None,)),
         ("set_reduce_scatter_unused_params", (False,)),
@@ -188,6 +187,18 @@ def test_unsupported_methods_raise_naming_themselves(world: None, method: str, a
     model = fully_shard(Block())
     with pytest.raises(NotImplementedError, match=f"{method}: "):
         getattr(model, method)(*args)
+
+
+def test_a_post_optim_event_is_an_event_kept_for_the_roots_next_forward_only(world: None) -> None:
+    model = fully_shard(Block())
+    with pytest.raises(TypeError, match=r"^event: expected a torch.Event"):
+        model.set_post_optim_event(None)  # type: ignore[arg-type]  # a bad value on purpose
+    event = torch.Event(device="cpu")
+    model.set_post_optim_event(event)
+    state = state_of(cast(nn.Module, model))
+    assert state is not None and state.post_optim_event is event
+    cast(nn.Module, model)(torch.randn(2, 6))  # the fake world communicates nothing
+    assert state.post_optim_event is None
 
 
 def test_set_all_reduce_hook_refuses_a_non_callable_and_a_stream(world: None) -> None:
