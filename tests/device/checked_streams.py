@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from fsdp_shell.runtime.accelerator import AcceleratorRuntime
@@ -289,8 +289,8 @@ class StreamChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # Torc
                 regrown = self._record(storage, stream, name)
                 regrown.host = record.host
                 self._access(regrown, stream, use, written=True)
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+        for tensor in _plain(tree_leaves(out)):
+            if tensor.layout == torch.strided:
                 storage = tensor.untyped_storage()
                 if storage._cdata in seen or storage.nbytes() == 0:
                     continue
@@ -310,7 +310,7 @@ class StreamChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # Torc
         first = True
         for index, arg in enumerate(func._schema.arguments):
             value = args[index] if index < len(args) else kwargs.get(arg.name)
-            tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+            tensors = [t for t in _plain(tree_leaves(value)) if t.layout == torch.strided]
             if not tensors:
                 continue
             written = (collective and first) or (arg.alias_info is not None and arg.alias_info.is_write)
@@ -345,6 +345,22 @@ class StreamChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # Torc
         record.last_use[stream.index] = use
         if not record.host and stream.index not in (HOST, record.allocated_on):
             self._watched.add(record.ref.cdata)
+
+
+def _plain(leaves: Sequence[object]) -> list[torch.Tensor]:
+    """The plain tensors among ``leaves``, a tensor subclass that wraps others (a ``DTensor``)
+    standing for the tensors it wraps (its local tensor): their storages are what the op uses."""
+    out: list[torch.Tensor] = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        wrapper: object = leaf  # the TypeGuard makes a Tensor one unreachable to mypy
+        if is_traceable_wrapper_subclass(wrapper):
+            attrs, _ = wrapper.__tensor_flatten__()
+            out += _plain([getattr(wrapper, a) for a in attrs])
+        else:
+            out.append(leaf)
+    return out
 
 
 class CheckedDevice:

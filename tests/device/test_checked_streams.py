@@ -8,8 +8,11 @@ offload, ``no_sync`` and accumulation, comm hooks, every backward-prefetch mode 
 prefetch, hybrid sync and async, the division policies, and the state-dict round trip, each
 against the same single-process reference, with no use the streams leave unordered. (FSDP1 is
 left out of these runs: the first run compares against it.) The state-dict semantics and the
-recovery from a step that fails inside backward run on it too. Last, mutation tests: with one
-synchronisation removed from the runtime or the plan, the checker raises.
+recovery from a step that fails inside backward run on it too. So do the ``fully_shard`` parity
+cases of ``test_fully_shard_gloo`` (against PyTorch's FSDP2, both under the checker; a
+``DTensor`` counts as the local tensor it wraps). Last, mutation tests: with one
+synchronisation removed from the runtime or the plan, the checker raises, for both APIs (for
+``fully_shard`` also the HSDP aliasing of PyTorch PR 180889).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from tests.worlds.fault_cases import recovery
 from tests.worlds.fsdp_cases import Case, Outcome, check_outcomes, run_cases
 from tests.worlds.state_dict_cases import semantics
 from tests.worlds.test_fsdp_gloo import FLAT_CASES, HYBRID_CASES
+from tests.worlds.test_fully_shard_gloo import CASES as FULLY_SHARD_CASES
+from tests.worlds.test_fully_shard_gloo import Case as FullyShardCase
+from tests.worlds.test_fully_shard_gloo import hook_against_fsdp2, tp_against_fsdp2, train_against_fsdp2
 from tests.worlds.test_state_dict_gloo import check_semantics
 
 # -- the rules, on the smallest programs -------------------------------------------------------
@@ -294,3 +300,81 @@ def test_removing_one_synchronisation_makes_the_checker_raise(name: str, mutated
     message = mutated[name]
     assert message is not None, f"{name}: the checker raised nothing"
     assert re.search(MUTATIONS[name][2], message), message
+
+
+# -- fully_shard on the checked device ------------------------------------------------------------
+
+
+def checked_fully_shard(rank: int, world: int, cases: tuple[FullyShardCase, ...]) -> tuple[list[list[str]], int, int]:
+    """``cases`` of ``test_fully_shard_gloo`` (ours against PyTorch's FSDP2) with every
+    ``fully_shard`` root on the accelerator runtime over one checked device: each case's
+    problems, the runtimes made on the device and the ops checked."""
+    with checked_streams() as checker:
+        problems = [train_against_fsdp2(rank, world, case) for case in cases]
+    return problems, checker.runtimes, checker.ops_checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_shard_cases_on_the_checked_device(world: int) -> None:
+    """Every parity case of ``fully_shard`` (meshes, resharding to smaller groups, mixed
+    precision, offload, accumulation, prefetch, meta init, ``torch.compile``...) trains as
+    FSDP2 does with no use its streams leave unordered."""
+    cases = tuple(c for c in FULLY_SHARD_CASES if c.world == world)
+    results = run_world(world, checked_fully_shard, cases, timeout=600)
+    for problems, runtimes, ops in results:
+        assert problems == [[]] * len(cases)
+        assert runtimes >= len(cases) and ops > 1000 * len(cases)
+
+
+def checked_tp_and_hook(rank: int, world: int, _: None) -> tuple[list[str], list[str], int]:
+    with checked_streams() as checker:
+        return tp_against_fsdp2(rank, world, None), hook_against_fsdp2(rank, world, None), checker.runtimes
+
+
+def test_fully_shard_with_tensor_parallelism_and_an_all_reduce_hook_on_the_checked_device() -> None:
+    for tp, hook, runtimes in run_world(4, checked_tp_and_hook, None, timeout=300):
+        assert (tp, hook) == ([], []) and runtimes >= 2
+
+
+FULLY_SHARD_MUTATIONS: dict[str, tuple[Callable[[], contextlib.AbstractContextManager[None]], FullyShardCase, str]] = {
+    "post-backward-wait_stream": (
+        lambda: _skip_plan_op(lambda op: isinstance(op, WaitStream) and op.stream is Stream.POST_BACKWARD),
+        FullyShardCase(2, (2,), steps=1),
+        "on stream 'post_backward' (reads|writes) .* on stream 'default' wrote, with no wait",
+    ),
+    "all-gather-event": (
+        lambda: _patched(accelerator._EventWait, "wait", lambda self: True),
+        FullyShardCase(2, (2,), steps=1),
+        "on stream 'default' (reads|writes) .* on stream 'all_gather' wrote, with no wait",
+    ),
+    # PyTorch PR 180889: a reduce-scatter output freed to the post-backward stream's pool while the
+    # all-reduce stream still uses it (here: adds it into the .grad the first micro-batch left)
+    "hsdp-all-reduce-record_stream": (
+        lambda: _skip_plan_op(lambda op: isinstance(op, RecordStream) and op.stream is Stream.ALL_REDUCE),
+        FullyShardCase(4, (2, 2), micro=2, sync_every_micro=True, steps=1),
+        "on stream '(post_backward|default)' allocates, and may reuse .* on stream 'all_reduce'",
+    ),
+}
+
+
+def run_fully_shard_mutations(rank: int, world: int, names: tuple[str, ...]) -> dict[str, str | None]:
+    """Each ``fully_shard`` mutation of a ``world``-rank case in turn on the checked device: the
+    checker's message, or None when it raised nothing."""
+    caught: dict[str, str | None] = {}
+    for name in names:
+        mutate, case, _ = FULLY_SHARD_MUTATIONS[name]
+        caught[name] = None
+        with checked_streams(), mutate():
+            try:
+                train_against_fsdp2(rank, world, case)
+            except StreamRaceError as error:
+                caught[name] = str(error)
+    return caught
+
+
+@pytest.mark.parametrize("name", list(FULLY_SHARD_MUTATIONS))
+def test_removing_one_synchronisation_of_fully_shard_makes_the_checker_raise(name: str) -> None:
+    case = FULLY_SHARD_MUTATIONS[name][1]
+    message = run_world(case.world, run_fully_shard_mutations, (name,), timeout=300)[0][name]
+    assert message is not None, f"{name}: the checker raised nothing"
+    assert re.search(FULLY_SHARD_MUTATIONS[name][2], message), message
