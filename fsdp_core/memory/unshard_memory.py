@@ -75,8 +75,8 @@ def unshard_footprints(
             walk.resharded(event.unit)
         peak, net = walk.run_all(schedule.actions(event.event, event.unit))
         out.append(UnshardFootprint(event, peak, net))
-    if schedule.request.reshard_at_end_of_backward:
-        for unit in range(len(units)):
+    for unit in range(len(units)):
+        if schedule.request.reshards_at_end_of_backward(unit):
             walk.run(Reshard(unit=unit))
     return tuple(out)
 

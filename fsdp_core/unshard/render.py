@@ -21,10 +21,16 @@ def format_unshard(schedule: UnshardSchedule) -> str:
         after_forward = "reshard units " + (" ".join(str(u) for u, v in enumerate(r.forward_reshards) if v) or "none")
     else:
         after_forward = "reshard (not the root)" if r.reshard_after_forward else "keep"
-    if r.plan_reshards:
+    if r.backward_reshards:
+        after_backward = "reshard units " + (" ".join(str(u) for u, v in enumerate(r.backward_reshards) if v) or "none")
+    elif r.plan_reshards:
         after_backward = "reshard (by the post-backward plan)"
     else:
         after_backward = "reshard at its end" if r.reshard_at_end_of_backward else "keep"
+    if r.backward_gathers and not all(r.backward_gathers):
+        after_backward += "; not gathered for backward: " + " ".join(
+            str(u) for u, v in enumerate(r.backward_gathers) if not v
+        )
     lines = [
         f"all-gather schedule: {r.units} unit(s), root {r.root}; backward_prefetch {prefetch}, "
         f"forward_prefetch {r.forward_prefetch}",
@@ -73,6 +79,8 @@ def unshard_to_json(schedule: UnshardSchedule, problems: list[Problem] | None = 
         "forward_prefetches": [list(t) for t in r.forward_prefetches],
         "backward_prefetches": [list(t) for t in r.backward_prefetches],
         "plan_reshards": r.plan_reshards,
+        "backward_reshards": [r.plan_reshards_unit(u) for u in range(r.units)],
+        "backward_gathers": [r.gathers_for_backward(u) for u in range(r.units)],
         "reshard_at_end_of_backward": r.reshard_at_end_of_backward,
         "backward_prefetch": None if r.backward_prefetch is None else r.backward_prefetch.name,
         "forward_prefetch": r.forward_prefetch,

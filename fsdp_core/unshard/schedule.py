@@ -139,6 +139,13 @@ class UnshardRequest:
     """Per unit: whether it frees its unsharded parameter after its forward, as ``fully_shard``
     gives it (each unit has a ``reshard_after_forward`` of its own, and the root may reshard too);
     empty: FSDP1's rule (``reshards_after_forward``)."""
+    backward_reshards: tuple[bool, ...] = ()
+    """Per unit: whether its post-backward plan frees its unsharded parameter, and the end of
+    backward what is still gathered (``fully_shard``'s ``reshard_after_backward``); empty:
+    ``plan_reshards`` and ``reshard_at_end_of_backward`` for every unit."""
+    backward_gathers: tuple[bool, ...] = ()
+    """Per unit: whether backward gathers it (False: ``fully_shard``'s
+    ``set_unshard_in_backward(False)``, backward reads none of its parameters); empty: all do."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.units, int) or isinstance(self.units, bool):
@@ -170,11 +177,12 @@ class UnshardRequest:
                 _check_order(f"{name}[{unit}]", targets, self.units)
                 if unit in targets:
                     raise ValueError(f"{name}[{unit}]: a unit cannot prefetch itself, got {targets!r}")
-        given = self.forward_reshards
-        if not isinstance(given, tuple) or not all(isinstance(v, bool) for v in given):
-            raise TypeError(f"forward_reshards: expected a tuple of bools, one per unit, got {given!r}")
-        if given and len(given) != self.units:
-            raise ValueError(f"forward_reshards: expected one bool per unit ({self.units}), got {len(given)}")
+        for name in ("forward_reshards", "backward_reshards", "backward_gathers"):
+            given = getattr(self, name)
+            if not isinstance(given, tuple) or not all(isinstance(v, bool) for v in given):
+                raise TypeError(f"{name}: expected a tuple of bools, one per unit, got {given!r}")
+            if given and len(given) != self.units:
+                raise ValueError(f"{name}: expected one bool per unit ({self.units}), got {len(given)}")
 
     @classmethod
     def chain(
@@ -239,6 +247,20 @@ class UnshardRequest:
             return self.forward_reshards[unit]
         return self.reshard_after_forward and unit != self.root
 
+    def plan_reshards_unit(self, unit: int) -> bool:
+        """Whether ``unit``'s post-backward plan frees its unsharded parameter: ``backward_reshards``
+        where given, else ``plan_reshards``."""
+        return self.backward_reshards[unit] if self.backward_reshards else self.plan_reshards
+
+    def reshards_at_end_of_backward(self, unit: int) -> bool:
+        """Whether the end of backward frees ``unit``'s unsharded parameter if it is still gathered:
+        ``backward_reshards`` where given, else ``reshard_at_end_of_backward``."""
+        return self.backward_reshards[unit] if self.backward_reshards else self.reshard_at_end_of_backward
+
+    def gathers_for_backward(self, unit: int) -> bool:
+        """Whether backward gathers ``unit`` (``backward_gathers``; all do where it is empty)."""
+        return self.backward_gathers[unit] if self.backward_gathers else True
+
     @property
     def kept_after_forward(self) -> frozenset[int]:
         """The units still gathered when backward starts: those that ran forward and do not reshard
@@ -246,11 +268,18 @@ class UnshardRequest:
         return frozenset(u for u in self.forward_order if not self.reshards_after_forward(u))
 
     def on_demand(self, event: Event, unit: int) -> tuple[UnshardAction, ...]:
-        """The actions for a hook the record does not cover: gather and wait right before use,
-        reshard after forward as ``reshards_after_forward`` says, nothing after backward."""
+        """The actions for a hook the record does not cover: gather and wait right before use
+        (not for a backward that does not gather the unit), then the unit's explicit prefetch
+        list, which needs no record (a ``Gather`` of a unit gathered or in flight does nothing);
+        reshard after forward as ``reshards_after_forward`` says; nothing after backward."""
         match event:
-            case Event.PRE_FORWARD | Event.PRE_BACKWARD:
-                return (Gather(unit=unit), AwaitGather(unit=unit))
+            case Event.PRE_FORWARD:
+                listed = self.forward_prefetches[unit] if self.forward_prefetches else ()
+                return (Gather(unit=unit), AwaitGather(unit=unit), *(Gather(unit=t) for t in listed))
+            case Event.PRE_BACKWARD:
+                listed = self.backward_prefetches[unit] if self.backward_prefetches else ()
+                own = (Gather(unit=unit), AwaitGather(unit=unit)) if self.gathers_for_backward(unit) else ()
+                return (*own, *(Gather(unit=t) for t in listed if self.gathers_for_backward(t)))
             case Event.POST_FORWARD:
                 return (Reshard(unit=unit),) if self.reshards_after_forward(unit) else ()
             case Event.POST_BACKWARD | Event.END_FORWARD | Event.END_BACKWARD:
@@ -333,11 +362,11 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
       the next unit in ``forward_order``.
     - post-forward of ``u``: ``Reshard(u)`` when ``request.reshards_after_forward(u)`` (FSDP1:
       ``reshard_after_forward`` and ``u`` is not the root).
-    - pre-backward of ``u``: nothing for a unit still gathered from forward; otherwise ``Gather(u)``
-      unless it was prefetched, and ``AwaitGather(u)``. Then ``Gather`` of each unit
-      ``backward_prefetches[u]`` lists, or with ``BACKWARD_PRE`` of the next unit in
-      ``backward_order``.
-    - post-backward of ``u``: the plan reshards ``u`` first (``plan_reshards``); with
+    - pre-backward of ``u``: nothing for a unit still gathered from forward, or that backward does
+      not gather (``gathers_for_backward``); otherwise ``Gather(u)`` unless it was prefetched, and
+      ``AwaitGather(u)``. Then ``Gather`` of each unit ``backward_prefetches[u]`` lists, or with
+      ``BACKWARD_PRE`` of the next unit in ``backward_order``, where backward gathers it.
+    - post-backward of ``u``: the plan reshards ``u`` first (``plan_reshards_unit``); with
       ``BACKWARD_POST``, ``Gather`` of the next unit in ``backward_order``, unless ``u`` is the
       root (its post-backward fires last) or lists prefetches of its own.
 
@@ -360,12 +389,15 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
     def backward_targets(unit: int, when: BackwardPrefetch) -> tuple[int, ...]:
         explicit = r.backward_prefetches[unit] if r.backward_prefetches else ()
         if explicit:
-            return explicit if when is BackwardPrefetch.BACKWARD_PRE else ()
+            return (
+                tuple(t for t in explicit if r.gathers_for_backward(t)) if when is BackwardPrefetch.BACKWARD_PRE else ()
+            )
         if r.backward_prefetch is not when or unit not in backward_next:
             return ()
         if when is BackwardPrefetch.BACKWARD_POST and unit == r.root:
             return ()
-        return (backward_next[unit],)
+        following = backward_next[unit]
+        return (following,) if r.gathers_for_backward(following) else ()
 
     def gather(unit: int) -> tuple[UnshardAction, ...]:
         if unit in flight or unit in gathered:
@@ -393,9 +425,10 @@ def plan_unshard(request: UnshardRequest) -> UnshardSchedule:
                     gathered.discard(unit)
                 return r.on_demand(event, unit)
             case Event.PRE_BACKWARD:
-                return own(unit) + prefetch(backward_targets(unit, BackwardPrefetch.BACKWARD_PRE))
+                mine = own(unit) if r.gathers_for_backward(unit) else ()
+                return mine + prefetch(backward_targets(unit, BackwardPrefetch.BACKWARD_PRE))
             case Event.POST_BACKWARD:
-                if r.plan_reshards:
+                if r.plan_reshards_unit(unit):
                     gathered.discard(unit)
                 return prefetch(backward_targets(unit, BackwardPrefetch.BACKWARD_POST))
             case Event.END_FORWARD | Event.END_BACKWARD:

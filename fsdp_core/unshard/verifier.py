@@ -5,7 +5,7 @@ the shell does (``UnshardSchedule.actions``, so on-demand fallbacks are checked 
 every unit whether its flat parameter is sharded, in flight (all-gather issued, not awaited) or
 gathered, whether its forward or backward is running, and whether it was gathered ahead of a use
 that has not started yet. Every unit starts the iteration sharded. The post-backward plan's reshard
-(``plan_reshards``) is applied at each post-backward hook before the schedule's actions,
+(``plan_reshards_unit``) is applied at each post-backward hook before the schedule's actions,
 as FSDP1's ``_post_backward_reshard`` reshards before it prefetches.
 """
 
@@ -68,11 +68,14 @@ class _Sim:
         event, unit = hook
         if event not in _PRE:
             self.in_use.discard(unit)
-        if event is Event.POST_BACKWARD and r.plan_reshards and self.held[unit] is _Held.GATHERED:
+        if event is Event.POST_BACKWARD and r.plan_reshards_unit(unit) and self.held[unit] is _Held.GATHERED:
             self.held[unit] = _Held.SHARDED
         for action in self.schedule.actions(event, unit):
             self.act(action)
-        if event in _PRE:
+        if event is Event.PRE_BACKWARD and not r.gathers_for_backward(unit):
+            self.in_use.add(unit)  # its backward runs without its parameters
+            self.ahead.discard(unit)
+        elif event in _PRE:
             if self.held[unit] is not _Held.GATHERED:
                 awaited = "its all-gather is not awaited" if self.held[unit] is _Held.IN_FLIGHT else "it is sharded"
                 self.report(Rule.UNGATHERED_USE, f"unit {unit}'s {_USE[event]} runs but {awaited}")
@@ -141,7 +144,8 @@ def check_unshard(schedule: UnshardSchedule) -> list[Problem]:
     Simulating the recorded iteration from every unit sharded (see ``UnshardRequest.events``):
 
     - ``UNGATHERED_USE``: when a unit's forward or backward starts (after its pre-hook's actions)
-      its all-gather has landed and been awaited;
+      its all-gather has landed and been awaited (not for a backward that does not gather it,
+      ``request.gathers_for_backward``);
     - ``DOUBLE_GATHER``: no unit is gathered while already gathered or in flight;
     - ``UNSAFE_RESHARD``: no unit is resharded unless gathered and awaited, nor while its forward
       or backward runs;

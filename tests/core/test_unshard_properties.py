@@ -31,6 +31,8 @@ def requests(draw: st.DrawFn) -> UnshardRequest:
         backward_prefetch=draw(st.sampled_from([None, PRE, POST])),
         forward_prefetch=draw(st.booleans()),
         forward_reshards=draw(st.one_of(st.just(()), st.tuples(*[st.booleans()] * units))),  # fully_shard's
+        backward_reshards=draw(st.one_of(st.just(()), st.tuples(*[st.booleans()] * units))),
+        backward_gathers=draw(st.one_of(st.just(()), st.tuples(*[st.booleans()] * units))),
     )
 
 

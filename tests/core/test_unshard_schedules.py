@@ -297,3 +297,36 @@ def test_explicit_prefetch_lists_gather_what_is_sharded_in_their_order() -> None
     assert [p.rule for p in check_unshard(shallow)] == [Rule.PREFETCH_DEPTH, Rule.PREFETCH_DEPTH]
     text = format_unshard(schedule)
     assert "  forward prefetch: 1 -> 2 3\n" in text and "  backward prefetch: 0 -> 3 2; 2 -> 1\n" in text
+
+
+def test_a_unit_backward_does_not_gather_and_one_kept_after_backward_as_fully_shard_says() -> None:
+    """fully_shard's ``set_unshard_in_backward(False)`` on unit 1 (an embedding: its backward
+    reads none of its parameters) and ``reshard_after_backward=False`` on unit 2: backward never
+    gathers 1, not even as the prefetch of 2's hook, and 2's plan leaves it gathered, as does the
+    end of backward."""
+    request = replace(chain(), backward_gathers=(True, False, True, True), backward_reshards=(True, True, False, True))
+    assert [(request.gathers_for_backward(u), request.plan_reshards_unit(u)) for u in range(4)] == [
+        (True, True),
+        (False, True),
+        (True, False),
+        (True, True),
+    ]
+    assert [request.reshards_at_end_of_backward(u) for u in range(4)] == [True, True, False, True]
+    schedule = plan_unshard(request)
+    assert check_unshard(schedule) == []
+    assert rows(schedule)[8:] == [
+        (E.PRE_BACKWARD, 0, (g(3),)),
+        (E.PRE_BACKWARD, 3, (a(3), g(2))),
+        (E.POST_BACKWARD, 3, ()),
+        (E.PRE_BACKWARD, 2, (a(2),)),
+        (E.POST_BACKWARD, 2, ()),
+        (E.PRE_BACKWARD, 1, ()),
+        (E.POST_BACKWARD, 1, ()),
+        (E.POST_BACKWARD, 0, ()),
+    ]
+    assert "after backward: reshard units 0 1 3; not gathered for backward: 1" in format_unshard(schedule)
+    assert schedule.actions(E.PRE_BACKWARD, 1) == () and request.on_demand(E.PRE_BACKWARD, 1) == ()
+    gathering = replace(request, backward_gathers=())
+    assert [p.rule for p in check_unshard(UnshardSchedule(request=gathering, steps=schedule.steps))] == [
+        Rule.UNGATHERED_USE
+    ]

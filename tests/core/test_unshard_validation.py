@@ -56,6 +56,8 @@ def _request(**changes: object) -> UnshardRequest:
         ({"forward_reshards": (True, True)}, ValueError, r"forward_reshards: expected one bool per unit \(3\), got 2"),
         ({"forward_reshards": (1, 0, 1)}, TypeError, "forward_reshards: expected a tuple of bools"),
         ({"forward_reshards": [True, True, True]}, TypeError, "forward_reshards"),
+        ({"backward_reshards": (True,)}, ValueError, r"backward_reshards: expected one bool per unit \(3\), got 1"),
+        ({"backward_gathers": (True, "no", True)}, TypeError, "backward_gathers: expected a tuple of bools"),
         ({"forward_prefetches": ((1,), ())}, ValueError, r"forward_prefetches: expected one tuple per unit \(3\)"),
         ({"forward_prefetches": ((1,), [2], ())}, TypeError, "forward_prefetches: expected a tuple of unit tuples"),
         (
