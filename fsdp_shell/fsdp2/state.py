@@ -2,9 +2,11 @@
 the hooks of one iteration.
 
 - Forward (each module's pre- and post-forward hooks): the root's first forward builds the
-  context (every ``fully_shard`` state under it, the runtime, the verifying plan cache); every
-  module gathers its parameters, runs on the unsharded ones, reshards after forward as
-  ``reshard_after_forward`` says (by default every module but the root), and hooks its outputs.
+  context (every ``fully_shard`` state under it, the runtime, the verifying plan cache, the
+  all-gather schedule); every module gathers its parameters, runs on the unsharded ones,
+  reshards after forward as ``reshard_after_forward`` says (by default every module but the
+  root; an int: to groups of that many ranks), and hooks its outputs. What each hook gathers,
+  prefetches and reshards is the verified all-gather schedule's (``fsdp_shell.fsdp2.gathers``).
 - Backward: a hook on those outputs gathers again where the forward resharded (unless
   ``set_unshard_in_backward(False)``), and the first queues the end of backward on the autograd
   engine. Once autograd has accumulated the gradient of every trainable unsharded parameter of a
@@ -38,6 +40,7 @@ from fsdp_core import (
     CPUOffload,
     Division,
     DivisionPolicy,
+    Event,
     InputRole,
     MixedPrecision,
     Plan,
@@ -47,6 +50,7 @@ from fsdp_core import (
     ShardingStrategy,
     step_flags,
 )
+from fsdp_shell.fsdp2.gathers import GatherRunner
 from fsdp_shell.fsdp2.group import ParamGroup
 from fsdp_shell.runtime.collectives import CollectiveLog, Phase
 from fsdp_shell.runtime.device import make_runtime
@@ -239,6 +243,8 @@ class RootContext:
         self._runtimes: dict[tuple[int, int, str], tuple[ProcessGroups, Runtime]] = {}
         self.all_runtimes: list[Runtime] = []
         """Every runtime of the root's meshes (``runtimes``, fixed at lazy init)."""
+        self.gathers: GatherRunner
+        """The units' all-gathers, from the verified schedule (made at lazy init)."""
 
     def groups(self, mesh: DeviceMesh) -> ProcessGroups:
         return self._entry(mesh)[0]
@@ -294,6 +300,7 @@ def lazy_init(state: FSDPState) -> RootContext:
         if s.group is not None:
             s.group.materialize()
     ctx.all_runtimes = ctx.runtimes
+    ctx.gathers = GatherRunner(states, state)
     return ctx
 
 
@@ -313,13 +320,13 @@ def _pre_forward(
     ctx = lazy_init(state)
     if state.is_root:
         _begin_iteration(ctx)
+        ctx.gathers.begin_iteration()
     if state.mp.cast_forward_inputs:
         args, kwargs = _cast(state.mp.param_dtype, (args, kwargs))
+    with ctx.log.during(Phase.FORWARD), _waiting(state, "forward"):
+        ctx.gathers.run(Event.PRE_FORWARD, state)
     group = state.group
     if group is not None:
-        with ctx.log.during(Phase.FORWARD), _waiting(state, "forward"):
-            group.unshard(_runtime(state))
-            _prefetch(state.forward_prefetch)
         group.use_unsharded()
         if torch.is_grad_enabled() and group.grad_index:
             _hook_inputs(state, ctx, (args, kwargs))
@@ -347,13 +354,6 @@ def _waiting(state: FSDPState, step: str) -> Iterator[None]:
             raise timeout from error
 
 
-def _prefetch(states: tuple[FSDPState, ...]) -> None:
-    """Issue the all-gathers of ``states``' units (waited for at their own hooks)."""
-    for s in states:
-        if s.group is not None and s.runtime is not None:
-            s.group.start_unshard(s.runtime)
-
-
 def _hook_inputs(state: FSDPState, ctx: RootContext, inputs: Any) -> None:
     """Count the forward inputs whose gradients backward computes: the unit's post-backward waits
     for them too, so no parameter is freed while backward still reads it."""
@@ -367,20 +367,13 @@ def _hook_inputs(state: FSDPState, ctx: RootContext, inputs: Any) -> None:
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch
 def _post_forward(state: FSDPState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
-    group = state.group
-    if group is not None:
-        if state.reshards_after_forward:
-            size, small = state.post_forward_size, state.post_forward_runtime
-            if size is not None and small is not None:
-                group.reshard_post_forward(small, size)
-            else:
-                group.free_unsharded()
-            group.use_sharded()
-        if torch.is_grad_enabled():
-            hook = functools.partial(_pre_backward, weakref.ref(state))
-            for t in tensors_in(out):
-                if t.requires_grad:
-                    t.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
+    if state.ctx is not None:
+        state.ctx.gathers.run(Event.POST_FORWARD, state)
+    if state.group is not None and torch.is_grad_enabled():
+        hook = functools.partial(_pre_backward, weakref.ref(state))
+        for t in tensors_in(out):
+            if t.requires_grad:
+                t.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
     return _cast(state.mp.output_dtype, out)
 
 
@@ -411,9 +404,7 @@ def _pre_backward(state_ref: weakref.ref[FSDPState], grad: torch.Tensor) -> torc
     if group is not None and id(state) not in it.prepared:
         it.prepared.add(id(state))
         with ctx.log.during(Phase.PRE_BACKWARD), _waiting(state, "backward"):
-            if state.settings.unshard_in_backward:
-                group.unshard(_runtime(state))
-            _prefetch(state.backward_prefetch)
+            ctx.gathers.run(Event.PRE_BACKWARD, state)
         group.use_unsharded()
         group.restore_pending()
     return grad
@@ -463,6 +454,7 @@ def post_backward(state: FSDPState) -> None:
     group.use_sharded()
     with ctx.log.during(Phase.POST_BACKWARD), _waiting(state, "gradient reduction"):
         run.run_hook_ops()
+        ctx.gathers.run(Event.POST_BACKWARD, state)
     it.runs.append(run)
 
 
@@ -489,6 +481,7 @@ def end_of_backward(ctx: RootContext) -> None:
             if state.settings.reshard_after_backward:
                 group.free_unsharded()
             group.use_sharded()
+        ctx.gathers.end_backward()
         ctx.iteration = _Iteration()
 
 

@@ -50,7 +50,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_core import Group
+from fsdp_core import Gather, Group
 from fsdp_shell import FSDPModule, fully_shard
 from fsdp_shell.fsdp2.state import state_of
 from fsdp_shell.memory.measure import PHASES, train_measured
@@ -254,13 +254,23 @@ def train_against_fsdp2(rank: int, world: int, case: Case) -> list[str]:
         want_held = [g.layout.padded_numel for g in groups]
     if not isinstance(ours, FSDPModule) or type(ours).__name__ != "FSDPNet":
         problems.append(f"the root's class is {type(ours).__name__}, not an FSDPModule FSDPNet")
+    root = state_of(ours)
+    assert root is not None
+    gathered_last = 0
     for step in range(case.steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         batches = [torch.randint(0, VOCAB, (3, 7), generator=gen) for _ in range(case.micro)]
+        before = _all_gathers(root)
         a, b = _step(case, theirs, their_opt, batches), _step(case, ours, our_opt, batches)
+        gathered_last = _all_gathers(root) - before
         if abs(a - b) > 1e-6 * max(1.0, abs(a)):  # relative: at 8.85 one fp32 ulp is 9.5e-7
             problems.append(f"step {step}: loss {b} where FSDP2's is {a}")
     problems += _collectives(case, ours)
+    assert root.ctx is not None
+    schedule = root.ctx.gathers.schedule  # the last iteration's, planned from the one before
+    planned = sum(isinstance(a, Gather) for step in schedule.steps for a in step.actions)
+    if not schedule.steps or gathered_last != case.micro * planned:
+        problems.append(f"the last step all-gathered {gathered_last} times; its schedule plans {planned} per iteration")
     if held and held != [want_held] * len(held):  # each block keeps 1/reshard of its gathered parameters
         problems.append(f"held after forward x {case.reshard}: {held}, expected {want_held} every forward")
     if case.prefetch and not (issued and all(issued)):
@@ -281,6 +291,11 @@ def train_against_fsdp2(rank: int, world: int, case: Case) -> list[str]:
         if worst > 1e-6:
             problems.append(f"{name}: differs from FSDP2's by {worst:.3g}")
     return problems
+
+
+def _all_gathers(state: Any) -> int:
+    """Our all-gathers so far (the root's collective log)."""
+    return sum(n for kind, n in state.ctx.log.counts.items() if kind.op == "all_gather") if state.ctx else 0
 
 
 def _collectives(case: Case, ours: Net) -> list[str]:
