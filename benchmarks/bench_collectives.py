@@ -1,6 +1,12 @@
-"""Gloo reduce-scatter, three ways, on loopback: what ``fsdp_shell.runtime.cpu`` chooses from.
+"""Gloo reduce-scatter, three ways, and all-gather, two ways, on loopback: what
+``fsdp_shell.runtime.cpu`` chooses from (``fsdp_core.execution``'s ``scatter_form`` and
+``gather_by_broadcasts``).
 
-Run on demand: ``python benchmarks/bench_collectives.py [--nproc 2]``.
+Run on demand: ``python benchmarks/bench_collectives.py [--nproc 2] [--gather]``.
+
+With ``--gather``, all-gathers of outputs from 2 KiB to 12 MiB: ``all_gather`` (gloo's
+``all_gather_single``, which gathers through a buffer of its own) and ``broadcasts`` (one
+broadcast per rank into its slice of the output, ``broadcast_gather``).
 
 - ``torch``: ``reduce_scatter_tensor``, which gloo does not have natively (torch emulates it);
 - ``all_reduce``: an in-place all-reduce of the input and a copy of this rank's chunk (twice the
@@ -29,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fsdp_shell.cli.launch import run_world
+from fsdp_shell.runtime.collectives import all_gather_flat, broadcast_gather
 
 SIZES = (544, 65_536, 1 << 20, 4 << 20)
 
@@ -58,12 +65,34 @@ def _ways(src: torch.Tensor, dst: torch.Tensor, world: int, rank: int) -> dict[s
     return {"torch": torch_rs, "all_reduce": all_reduce, "all_to_all": all_to_all}
 
 
-def bench(rank: int, world: int, rounds: int) -> dict[tuple[str, int], float]:
+GATHER_SIZES = (512, 16_384, 262_144, 524_288, 1_048_576, 3_145_728)
+"""All-gather output elements (fp32): 2 KiB to 12 MiB."""
+
+
+def _gather_ways(src: torch.Tensor, dst: torch.Tensor, world: int, rank: int) -> dict[str, Callable[[], None]]:
+    group = dist.group.WORLD
+    assert group is not None
+
+    def all_gather() -> None:
+        all_gather_flat(dst, src, group)
+
+    def broadcasts() -> None:
+        broadcast_gather(dst, src, group).wait()
+
+    return {"all_gather": all_gather, "broadcasts": broadcasts}
+
+
+def bench(rank: int, world: int, arg: tuple[int, bool]) -> dict[tuple[str, int], float]:
+    rounds, gather = arg
     torch.set_num_threads(1)
     out: dict[tuple[str, int], list[float]] = {}
-    for n in SIZES:
-        src, dst = torch.randn(n), torch.empty(n // world)
-        ways = _ways(src, dst, world, rank)
+    for n in GATHER_SIZES if gather else SIZES:
+        if gather:
+            src, dst = torch.randn(n // world), torch.empty(n)
+            ways = _gather_ways(src, dst, world, rank)
+        else:
+            src, dst = torch.randn(n), torch.empty(n // world)
+            ways = _ways(src, dst, world, rank)
         calls = 50 if n < 100_000 else 10
         for _ in range(rounds):
             for name, fn in ways.items():
@@ -80,9 +109,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--gather", action="store_true", help="all-gather forms instead of reduce-scatter forms")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result = run_world(args.nproc, bench, args.rounds, timeout=900)[0]
+    result = run_world(args.nproc, bench, (args.rounds, args.gather), timeout=900)[0]
+    if args.gather:
+        print(f"gloo all-gather on {args.nproc} ranks, median us per call over {args.rounds} interleaved rounds")
+        print(f"{'out bytes':>10} {'all_gather':>11} {'broadcasts':>11} {'ratio':>6}")
+        for n in GATHER_SIZES:
+            a, b = result[("all_gather", n)], result[("broadcasts", n)]
+            print(f"{4 * n:>10} {a:>11.0f} {b:>11.0f} {b / a:>6.2f}")
+        return
     print(f"gloo reduce-scatter on {args.nproc} ranks, median us per call over {args.rounds} interleaved rounds")
     print(f"{'elements':>10} " + " ".join(f"{w:>11}" for w in ("torch", "all_reduce", "all_to_all")))
     for n in SIZES:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fsdp_core import Group, all_gather_volume, comm_volume
+from fsdp_core.execution import gather_by_broadcasts
 from fsdp_core.memory import optimized_tensors
 from fsdp_core.plan.planner import build_plan
 from fsdp_core.sim import (
@@ -35,7 +36,7 @@ from fsdp_shell.memory.workload import Config, loss_of, model_of, optimizer_of, 
 from fsdp_shell.predict import Prediction
 from fsdp_shell.predict.against import predict
 from fsdp_shell.predict.trace import TraceUnit, time_trace
-from fsdp_shell.runtime.collectives import Pending, all_gather_flat
+from fsdp_shell.runtime.collectives import Pending, all_gather_flat, broadcast_gather
 from fsdp_shell.runtime.cpu import gloo_reduce_scatter
 from fsdp_shell.units.build import find_units, param_names, unit_params
 
@@ -111,6 +112,8 @@ def _issuer(model: torch.nn.Module, size: Size) -> Callable[[], Pending]:
     if collective is Collective.ALL_GATHER:
         out = torch.zeros(numel, dtype=dtype)
         mine = out.narrow(0, 0, numel // n).clone()
+        if gather_by_broadcasts(out.nbytes):  # the runtime's form for large gathers
+            return lambda: Pending(broadcast_gather(out, mine, groups.gather_group))
         return lambda: Pending(_work(all_gather_flat(out, mine, groups.gather_group, async_op=True)))
     if collective is Collective.REDUCE_SCATTER:
         src = torch.zeros(numel, dtype=dtype)

@@ -58,6 +58,7 @@ __all__ = [
     "all_reduce_flat",
     "any_rank",
     "broadcast_flat",
+    "broadcast_gather",
     "completed",
     "reduce_scatter_flat",
     "release",
@@ -156,6 +157,33 @@ def all_gather_flat(
         return _ALL_GATHER(output, input, group=group, async_op=True)
     completed(partial(_ALL_GATHER, output, input, group=group, async_op=True), (output, input))
     return None
+
+
+class _AllDone:
+    """Several collectives' ``Work`` as one ``Waitable``."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
+def broadcast_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
+    """Gather every rank's ``input`` into ``output`` (rank order) as one asynchronous broadcast per
+    rank, each into its slice of ``output`` (this rank's slice is ``input``'s copy, unless
+    ``input`` is that slice already): the form ``fsdp_core.execution.gather_by_broadcasts``
+    chooses for large gloo all-gathers."""
+    n, me = input.numel(), group.rank()
+    works = []
+    for r in range(group.size()):
+        chunk = output.narrow(0, r * n, n)
+        if r == me and chunk.data_ptr() != input.data_ptr():
+            chunk.copy_(input)
+        works.append(dist.broadcast(chunk, src=dist.get_global_rank(group, r), group=group, async_op=True))
+    return _AllDone(works)
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from fsdp_core import Group, ReduceOpSpec, Stream
-from fsdp_core.execution import LaneOrder, Place, ScatterForm, gather_waits, scatter_form
+from fsdp_core.execution import LaneOrder, Place, ScatterForm, gather_by_broadcasts, gather_waits, scatter_form
 from fsdp_shell.runtime.collectives import (
     CollectiveLog,
     Pending,
     Waitable,
     all_gather_flat,
+    broadcast_gather,
     completed,
     reduce_scatter_flat,
     release,
@@ -262,7 +263,12 @@ class CpuRuntime:
 
     def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> Pending | None:
         self._log.add("all_gather", Group.SHARD, out.dtype, out.numel())
-        work = all_gather_flat(out, src, self._groups.gather_group, async_op=True)
+        group = self._groups.gather_group
+        work: Waitable | None
+        if gather_by_broadcasts(out.nbytes):
+            work = broadcast_gather(out, src, group)
+        else:
+            work = all_gather_flat(out, src, group, async_op=True)
         if work is None:
             return None
         pending = Pending(work, (src, out))

@@ -9,10 +9,12 @@ from fsdp_core import Group, HybridAllReduce, ReduceKind, Stream
 from fsdp_core.execution import (
     ALL_TO_ALL_MAX_BYTES,
     ASYNC_GATHER_MAX_BYTES,
+    BROADCAST_GATHER_MIN_BYTES,
     PLANS_IN_FLIGHT,
     LaneOrder,
     Place,
     ScatterForm,
+    gather_by_broadcasts,
     gather_waits,
     lane_issues_shard,
     scatter_form,
@@ -79,3 +81,5 @@ def test_gloo_forms_follow_the_sizes() -> None:
     assert scatter_form(ReduceKind.AVG, small, gloo=True, src_dies=True) is ScatterForm.NATIVE
     assert [f.receive_buffer for f in ScatterForm] == [False, True, False]
     assert not gather_waits(ASYNC_GATHER_MAX_BYTES) and gather_waits(ASYNC_GATHER_MAX_BYTES + 1)
+    assert BROADCAST_GATHER_MIN_BYTES == 2 << 20
+    assert gather_by_broadcasts(2 << 20) and not gather_by_broadcasts((2 << 20) - 1)

@@ -209,3 +209,48 @@ def test_synchronous_collectives_return_once_gloo_has_let_go_of_their_tensors() 
         torch_held = held.pop("torch all_gather_into_tensor") + held.pop("torch all_reduce")
         assert torch_held > 0, "the probe saw no reference held by gloo even in torch's own calls"
         assert held == dict.fromkeys(held, 0), held
+
+
+def gathers_both_ways(rank: int, world: int, arg: None) -> list[str]:
+    """On each rank's shard group of a 2 x 2 world (subgroups: ranks map to global ones), a
+    large gather as broadcasts and the runtime's own (which chooses them from 2 MiB), against
+    gloo's all-gather: the same output, from a separate input and in place."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_core.execution import BROADCAST_GATHER_MIN_BYTES
+    from fsdp_shell.runtime.collectives import CollectiveLog, all_gather_flat, broadcast_gather
+    from fsdp_shell.runtime.cpu import CpuRuntime
+    from fsdp_shell.runtime.groups import ProcessGroups
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    group = mesh.get_group("shard")
+    n = BROADCAST_GATHER_MIN_BYTES // 4 // 2 + 3  # fp32 output just over 2 MiB on 2 ranks
+    src = torch.arange(n, dtype=torch.float32) + 1000.0 * rank
+    want = torch.empty(2 * n)
+    all_gather_flat(want, src, group)
+    problems = []
+    out = torch.full((2 * n,), -1.0)
+    broadcast_gather(out, src, group).wait()
+    if not torch.equal(out, want):
+        problems.append("broadcasts from a separate input differ from gloo's all-gather")
+    inplace = torch.full((2 * n,), -1.0)
+    mine = inplace.narrow(0, group.rank() * n, n)
+    mine.copy_(src)
+    broadcast_gather(inplace, mine, group).wait()
+    if not torch.equal(inplace, want):
+        problems.append("broadcasts in place differ from gloo's all-gather")
+    runtime = CpuRuntime(ProcessGroups(shard=group, replicate=mesh.get_group("replicate")), CollectiveLog())
+    through = torch.full((2 * n,), -1.0)
+    pending = runtime.all_gather(through, src)
+    if pending is not None:
+        pending.wait()
+    if not torch.equal(through, want):
+        problems.append("the runtime's all-gather differs from gloo's")
+    dist.barrier()
+    return problems
+
+
+def test_a_large_gather_as_broadcasts_equals_gloos_all_gather() -> None:
+    assert run_world(4, gathers_both_ways, None, timeout=120) == [[]] * 4
