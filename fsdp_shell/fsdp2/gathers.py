@@ -18,7 +18,8 @@ order, the same on every rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, assert_never
+from collections.abc import Sequence
+from typing import Protocol, assert_never
 
 from fsdp_core import (
     AwaitGather,
@@ -31,17 +32,41 @@ from fsdp_core import (
     check_unshard,
     plan_unshard,
 )
+from fsdp_shell.fsdp2.group import ParamGroup
+from fsdp_shell.runtime.protocol import Runtime
 
-if TYPE_CHECKING:
-    from fsdp_shell.fsdp2.state import FSDPState
+__all__ = ["GatherRunner", "GatherUnit"]
 
-__all__ = ["GatherRunner"]
+
+class GatherUnit(Protocol):
+    """What the runner reads of a ``fully_shard`` unit (``fsdp_shell.fsdp2.state.FSDPState``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def group(self) -> ParamGroup | None: ...
+    @property
+    def runtime(self) -> Runtime | None: ...
+    @property
+    def post_forward_runtime(self) -> Runtime | None: ...
+    @property
+    def post_forward_size(self) -> int | None: ...
+    @property
+    def reshards_after_forward(self) -> bool: ...
+    @property
+    def reshards_after_backward(self) -> bool: ...
+    @property
+    def gathers_for_backward(self) -> bool: ...
+    @property
+    def forward_prefetches(self) -> tuple[GatherUnit, ...]: ...
+    @property
+    def backward_prefetches(self) -> tuple[GatherUnit, ...]: ...
 
 
 class GatherRunner:
     """The all-gather schedule of one ``fully_shard`` root: its units are ``states``, in order."""
 
-    def __init__(self, states: list[FSDPState], root: FSDPState) -> None:
+    def __init__(self, states: Sequence[GatherUnit], root: GatherUnit) -> None:
         self.states = states
         self._index = {id(s): i for i, s in enumerate(states)}
         self._root = self._index[id(root)]
@@ -66,14 +91,16 @@ class GatherRunner:
             plan_reshards=True,
             reshard_at_end_of_backward=True,
             backward_prefetch=None,
-            forward_prefetches=self._lists("set_modules_to_forward_prefetch", [s.forward_prefetch for s in states]),
-            backward_prefetches=self._lists("set_modules_to_backward_prefetch", [s.backward_prefetch for s in states]),
+            forward_prefetches=self._lists("set_modules_to_forward_prefetch", [s.forward_prefetches for s in states]),
+            backward_prefetches=self._lists(
+                "set_modules_to_backward_prefetch", [s.backward_prefetches for s in states]
+            ),
             forward_reshards=tuple(s.reshards_after_forward for s in states),
-            backward_reshards=tuple(s.settings.reshard_after_backward for s in states),
-            backward_gathers=tuple(s.settings.unshard_in_backward for s in states),
+            backward_reshards=tuple(s.reshards_after_backward for s in states),
+            backward_gathers=tuple(s.gathers_for_backward for s in states),
         )
 
-    def _lists(self, setter: str, lists: list[tuple[FSDPState, ...]]) -> tuple[tuple[int, ...], ...]:
+    def _lists(self, setter: str, lists: list[tuple[GatherUnit, ...]]) -> tuple[tuple[int, ...], ...]:
         out = []
         for owner, targets in zip(self.states, lists):
             for t in targets:
@@ -102,7 +129,7 @@ class GatherRunner:
         self._backward.clear()
         self.schedule = self._schedule(self.request())
 
-    def run(self, event: Event, state: FSDPState) -> None:
+    def run(self, event: Event, state: GatherUnit) -> None:
         """Run the schedule's actions for ``event`` of ``state``'s unit (recording it first)."""
         unit = self._index[id(state)]
         if state.group is not None:

@@ -184,6 +184,22 @@ class FSDPState:
         return (not self.is_root) if value is None else bool(value)
 
     @property
+    def reshards_after_backward(self) -> bool:
+        return self.settings.reshard_after_backward
+
+    @property
+    def gathers_for_backward(self) -> bool:
+        return self.settings.unshard_in_backward
+
+    @property
+    def forward_prefetches(self) -> tuple[FSDPState, ...]:
+        return self.forward_prefetch
+
+    @property
+    def backward_prefetches(self) -> tuple[FSDPState, ...]:
+        return self.backward_prefetch
+
+    @property
     def post_forward_size(self) -> int | None:
         """The size of the groups the unit reshards to after forward, where not the shard group."""
         value = self.settings.reshard_after_forward

@@ -45,6 +45,7 @@ ACTION_CONSUMERS = {
     ("fsdp_core/unshard/verifier.py", "act"),
     ("fsdp_core/sim/timeline.py", "hook_actions"),
     ("fsdp_shell/units/unshard.py", "run"),
+    ("fsdp_shell/fsdp2/gathers.py", "run"),
     ("fsdp_core/sim/iteration.py", "hook"),
     ("fsdp_core/memory/unshard_memory.py", "run"),
 }
