@@ -33,13 +33,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from fsdp_core import Plan
+from fsdp_core import InputRole, Plan
 from fsdp_core.plan.rounding import Rounding, step_rounding, unit_roundoff
 from fsdp_shell.demo import models
 from fsdp_shell.demo.config import DemoConfig
 from fsdp_shell.demo.model import lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
+from fsdp_shell.fsdp2.state import FSDPState, state_of
 from fsdp_shell.units.flat_param import FlatParamHandle
 
 __all__ = ["CheckReport", "StepCheck", "Worst"]
@@ -100,6 +102,21 @@ def _worse(worst: Worst, step: int, name: str, difference: torch.Tensor, bound: 
     return Worst(r, step, name, float(difference.reshape(-1)[i]), float(bound.reshape(-1)[i]))
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A ``fully_shard`` parameter's or gradient's whole value (a collective over its mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _fully_shard_units(model: nn.Module) -> list[FSDPState]:
+    """The ``fully_shard`` units of ``model`` that hold parameters, in module order."""
+    out: list[FSDPState] = []
+    for m in model.modules():
+        s = state_of(m)
+        if s is not None and s.group is not None and s not in out:
+            out.append(s)
+    return out
+
+
 def _full_grads(h: FlatParamHandle) -> dict[str, torch.Tensor]:
     """Unit ``h``'s reduced gradient, whole, by original parameter name (a collective over the
     shard group): what the optimizer steps on, gathered."""
@@ -115,14 +132,22 @@ class StepCheck:
     micro-batch's backward (it also runs the reference on the same rows), ``gradients`` after the
     last, ``clipped`` after ``clip_grad_norm_``, ``stepped`` after the optimizer step."""
 
-    def __init__(self, cfg: DemoConfig, model: FullyShardedDataParallel, world: int, device: torch.device) -> None:
+    def __init__(self, cfg: DemoConfig, model: nn.Module, world: int, device: torch.device) -> None:
         self.cfg = cfg
         self.model = model
         self.world = world
         self.device = device
-        self.units = {u: h for u, h in enumerate(model._tree.handles) if h is not None}
-        """Every unit that holds parameters, by unit index (the demo is the shell's own: it reads
-        the units' handles and the plans they ran)."""
+        self.units: dict[int, FlatParamHandle] = {}
+        """Every FSDP1 unit that holds parameters, by unit index (the demo is the shell's own: it
+        reads the units' handles and the plans they ran)."""
+        self.states: list[FSDPState] = []
+        """With ``fully_shard``: every unit that holds parameters (its state)."""
+        if isinstance(model, FullyShardedDataParallel):
+            self.units = {u: h for u, h in enumerate(model._tree.handles) if h is not None}
+        else:
+            self.states = _fully_shard_units(model)
+            self.units = {}
+        self._fqn = {id(p): n for n, p in model.named_parameters()}
         mixed = cfg.mixed()
         self.compute_dtype = torch.float32 if mixed is None or mixed.param_dtype is None else mixed.param_dtype
         with torch.random.fork_rng(devices=[]):
@@ -150,11 +175,28 @@ class StepCheck:
 
     def _full_params(self) -> dict[str, torch.Tensor]:
         """Every unit's parameters, whole, by the reference's names (collectives)."""
+        if self.states:
+            return {self._name(n): _whole(p.detach()) for n, p in self.model.named_parameters()}
         return {self._name(fqn): v for h in self.units.values() for fqn, v in h.full_values().items()}
+
+    def _unit_grads(self, unit: int) -> dict[str, torch.Tensor]:
+        """Unit ``unit``'s reduced gradient, whole, by its parameters' names in the model (collectives)."""
+        if self.states:
+            group = self.states[unit].group
+            assert group is not None
+            out = {}
+            for p in group.sharded:
+                g = p.grad
+                out[self._fqn[id(p)]] = torch.zeros(p.shape, dtype=p.dtype) if g is None else _whole(g.detach())
+            return out
+        return _full_grads(self.units[unit])
+
+    def _unit_indices(self) -> list[int]:
+        return list(range(len(self.states))) if self.states else list(self.units)
 
     def _full_grads(self) -> dict[str, torch.Tensor]:
         """Every unit's reduced gradient, whole, by the reference's names (collectives)."""
-        return {self._name(fqn): g for h in self.units.values() for fqn, g in _full_grads(h).items()}
+        return {self._name(fqn): g for u in self._unit_indices() for fqn, g in self._unit_grads(u).items()}
 
     def begin(self, step: int) -> None:
         """The step's parameters (gathered; the last step's result after the first) into the
@@ -167,15 +209,26 @@ class StepCheck:
                 p.copy_(self._params[name])
         self._sums = {n: torch.zeros(p.shape, dtype=torch.float64, device=self.device) for n, p in self.named}
         self._magnitudes = {n: torch.zeros_like(t) for n, t in self._sums.items()}
-        self._plans = {unit: [] for unit in self.units}
+        self._plans = {unit: [] for unit in self._unit_indices()}
 
     def backward(self, loss: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """FSDP's backward of ``loss`` (recording the plans each unit ran), then the reference's
         gradient of the same rows' loss, summed exactly."""
-        iteration = self.model._tree.iteration  # replaced at the end of backward: this one keeps the runs
-        torch.autograd.backward(loss)
-        for unit, run in iteration.runs:
-            self._plans[unit].append(run.plan)
+        if self.states:
+            root = state_of(self.model)
+            assert root is not None and root.ctx is not None
+            runs = root.ctx.iteration.runs  # replaced at the end of backward: this one keeps the runs
+            torch.autograd.backward(loss)
+            unit_of = {id(s.group): u for u, s in enumerate(self.states)}
+            for run in runs:
+                unit = unit_of[id(run.owner)]
+                self._plans[unit].append(self._as_rounded(unit, run.plan))
+        else:
+            assert isinstance(self.model, FullyShardedDataParallel)
+            iteration = self.model._tree.iteration  # replaced at the end of backward: this one keeps the runs
+            torch.autograd.backward(loss)
+            for unit, run in iteration.runs:
+                self._plans[unit].append(run.plan)
         self.reference.zero_grad(set_to_none=True)
         ref_loss = lm_loss(models.logits(self.reference, tokens, self.cfg.model.arch), targets) / self.cfg.grad_accum
         torch.autograd.backward(ref_loss)
@@ -184,6 +237,17 @@ class StepCheck:
                 g = p.grad.double()
                 self._sums[name] += g
                 self._magnitudes[name] += g.abs()
+
+    def _as_rounded(self, unit: int, plan: Plan) -> Plan:
+        """The plan whose rounding is that of what ran: where ``fully_shard`` put the unsharded
+        gradient kept from a ``no_sync`` backward back into ``.grad`` (kept in the compute dtype)
+        and autograd added this backward's into it, the plan that adds them itself (its
+        ``Accumulate`` in that dtype rounds as autograd's add does)."""
+        done = self._plans[unit]
+        pending = InputRole.PENDING_UNSHARDED
+        if not done or done[-1].carried_out is not pending or pending in plan.consumed:
+            return plan
+        return self.states[unit].step_plan(frozenset(plan.consumed | {pending}))
 
     def gradients(self) -> None:
         """FSDP's reduced gradient of the step against the exact average (collectives)."""
@@ -195,10 +259,10 @@ class StepCheck:
         magnitude = self._unflatten(both[half:] / self.world, names)
         terms = self.world * self.cfg.grad_accum
         self._grads = {}
-        for unit, h in self.units.items():
+        for unit in self._unit_indices():
             plans = self._plans[unit]  # none: no gradient reached the unit, so the exact one must be 0
             bound = self._allowed(step_rounding(plans) if plans else Rounding(), terms)
-            for fqn, g in _full_grads(h).items():
+            for fqn, g in self._unit_grads(unit).items():
                 name = self._name(fqn)
                 self._grads[name] = g
                 diff = (g.double() - exact[name]).abs()

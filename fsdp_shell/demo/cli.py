@@ -32,6 +32,7 @@ from fsdp_core import (  # noqa: E402
     CPUOffload,
     FlatParamLayout,
     MixedPrecision,
+    PerParamLayout,
     PlanRequest,
     ShardingSpec,
     ShardingStrategy,
@@ -59,6 +60,13 @@ class BadArgument(ValueError):
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="fsdp-demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument(
+        "--api",
+        default="fsdp1",
+        choices=["fsdp1", "fully_shard"],
+        help="fsdp1: FullyShardedDataParallel around the model (default); fully_shard: FSDP2's API, "
+        "each block then the root (the strategy picks the mesh and whether blocks reshard after forward)",
+    )
     p.add_argument(
         "--strategy", default="FULL_SHARD", help="NO_SHARD, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2"
     )
@@ -156,7 +164,10 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, Path | No
         raise BadArgument(f"--model {a.model}: needs transformers; install it with pip install -e '.[hf]'")
     if a.check and a.resume is not None:
         raise BadArgument("--check: compares a whole run from step 0 with the reference; drop --resume")
+    if a.api == "fully_shard":
+        _check_fully_shard(a, strategy)
     cfg = DemoConfig(
+        api=a.api,
         strategy=strategy,
         shard_size=shard if strategy.is_hybrid else None,
         steps=a.steps,
@@ -181,6 +192,18 @@ def parse_config(argv: Sequence[str] | None) -> tuple[DemoConfig, int, Path | No
     if cfg.resume is not None:
         _validate_resume(cfg)
     return cfg, world, plot
+
+
+def _check_fully_shard(a: argparse.Namespace, strategy: ShardingStrategy) -> None:
+    """What ``--api fully_shard`` has no use for, refused by flag."""
+    if strategy is ShardingStrategy.NO_SHARD:
+        raise BadArgument(
+            "--strategy: fully_shard shards; for NO_SHARD's replication use --strategy HYBRID_SHARD --shard-size 1"
+        )
+    if a.use_orig_params:
+        raise BadArgument("--use-orig-params: fully_shard's parameters are always the module's own; drop it")
+    if a.comm_hook != "none":
+        raise BadArgument("--comm-hook: FSDP1's communication hooks; fully_shard has none (set_all_reduce_hook)")
 
 
 def _check_writable(flag: str, path: Path) -> None:
@@ -223,11 +246,14 @@ def _plot_path(given: str) -> Path:
 def _validate_plan_options(cfg: DemoConfig, world: int) -> None:
     """Let the core refuse impossible option combinations before any process starts."""
     mp = cfg.mixed() or MixedPrecision()
-    layout = FlatParamLayout.of([("w", (1,))], torch.float32)
+    sharding = ShardingSpec.for_world(cfg.strategy, world, cfg.shard_size)
+    layout: FlatParamLayout | PerParamLayout = FlatParamLayout.of([("w", (1,))], torch.float32)
+    if cfg.api == "fully_shard":
+        layout = PerParamLayout.of([("w", (sharding.shard_size,))], torch.float32, sharding.shard_size)
     try:
         PlanRequest(
             layout=layout,
-            sharding=ShardingSpec.for_world(cfg.strategy, world, cfg.shard_size),
+            sharding=sharding,
             mixed_precision=mp,
             offload=CPUOffload(offload_params=cfg.offload),
             comm_hook=cfg.comm_hook,
@@ -273,7 +299,8 @@ def _summary(cfg: DemoConfig, r: RunResult, plot: Path | None = None) -> str:
         (
             "strategy",
             f"{cfg.strategy.name} on {r.world} rank(s)"
-            + (f", shard groups of {cfg.shard_size}" if cfg.shard_size else ""),
+            + (f", shard groups of {cfg.shard_size}" if cfg.shard_size else "")
+            + (" (fully_shard)" if cfg.api == "fully_shard" else ""),
         ),
         ("model", f"{r.params:,} parameters in {r.units} FSDP units"),
         ("steps", f"{r.start_step + 1}..{r.start_step + steps}" if steps else "none"),
@@ -352,7 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
     else:
         if not cfg.quiet:
-            print(f"fsdp-demo: {cfg.strategy.name} on {world} local gloo process(es), {cfg.steps} steps", flush=True)
+            api = " with fully_shard" if cfg.api == "fully_shard" else ""
+            print(
+                f"fsdp-demo: {cfg.strategy.name}{api} on {world} local gloo process(es), {cfg.steps} steps", flush=True
+            )
         result = run_world(world, _worker, cfg, timeout=3600)[0]
     if plot is not None:
         _plot(plot, result)

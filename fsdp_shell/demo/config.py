@@ -16,6 +16,9 @@ __all__ = ["DemoConfig"]
 class DemoConfig:
     """Everything a run depends on (built and validated by the command line)."""
 
+    api: str = "fsdp1"
+    """``fsdp1``: ``FullyShardedDataParallel`` around the model; ``fully_shard``: FSDP2's API, each
+    block then the root (``fsdp_shell.fully_shard``)."""
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     shard_size: int | None = None
     steps: int = 300

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from fsdp_core import CommHook, CPUOffload, Group
+from fsdp_core import CommHook, CPUOffload, Group, ShardingStrategy
 from fsdp_core.plan.comm import ring_bytes
 from fsdp_shell import comm_hooks
 from fsdp_shell.demo import models
@@ -25,6 +28,8 @@ from fsdp_shell.demo.config import DemoConfig
 from fsdp_shell.demo.data import Corpus, load_corpus
 from fsdp_shell.demo.model import lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
+from fsdp_shell.fsdp2.api import FSDPModule, fully_shard
+from fsdp_shell.fsdp2.state import state_of
 from fsdp_shell.runtime.collectives import CollectiveKind
 from fsdp_shell.runtime.device import current_accelerator
 
@@ -47,6 +52,61 @@ class RunResult:
     check: CheckReport | None = None
     """``--check``'s findings (rank 0's; ``fsdp_shell.demo.check``)."""
     units: int = 0
+
+
+class Trained:
+    """The model under training, whichever API sharded it: what a step asks of it."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh) -> None:
+        self.model = model
+        self.mesh = mesh
+
+    @property
+    def fsdp1(self) -> FullyShardedDataParallel | None:
+        return self.model if isinstance(self.model, FullyShardedDataParallel) else None
+
+    def micro_batch(self, sync: bool) -> contextlib.AbstractContextManager[object]:
+        """Around one micro-batch: without gradient sync unless ``sync`` (FSDP1's ``no_sync()``,
+        ``fully_shard``'s ``set_requires_gradient_sync``)."""
+        fsdp1 = self.fsdp1
+        if fsdp1 is not None:
+            return contextlib.nullcontext() if sync else fsdp1.no_sync()
+        assert isinstance(self.model, FSDPModule)
+        self.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients' total norm to ``max_norm``; the norm before (a plain tensor)."""
+        fsdp1 = self.fsdp1
+        if fsdp1 is not None:
+            return fsdp1.clip_grad_norm_(max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def collective_counts(self) -> dict[CollectiveKind, int]:
+        """Every collective this rank's units issued so far, by kind."""
+        fsdp1 = self.fsdp1
+        if fsdp1 is not None:
+            return dict(fsdp1.collective_counts())
+        state = state_of(self.model)
+        return {} if state is None or state.ctx is None else dict(state.ctx.log.counts)
+
+    @property
+    def sizes(self) -> dict[Group, int]:
+        """The ranks of the shard and replicate groups."""
+        fsdp1 = self.fsdp1
+        if fsdp1 is not None:
+            replicate = 1 if fsdp1.replicate_group is None else fsdp1.replicate_group.size()
+            return {Group.SHARD: fsdp1.process_group.size(), Group.REPLICATE: replicate}
+        mesh = self.mesh
+        return {Group.SHARD: mesh.size(mesh.ndim - 1), Group.REPLICATE: mesh.size(0) if mesh.ndim == 2 else 1}
+
+    @property
+    def units(self) -> int:
+        if self.fsdp1 is not None:
+            return sum(1 for m in self.model.modules() if isinstance(m, FullyShardedDataParallel))
+        states = {id(s): s for s in map(state_of, self.model.modules()) if s is not None}
+        return sum(1 for s in states.values() if s.group is not None)
 
 
 def _mesh(cfg: DemoConfig, world: int, device_type: str) -> DeviceMesh:
@@ -89,12 +149,14 @@ def _wire_bytes(
     return total
 
 
-def build_model(cfg: DemoConfig, mesh: DeviceMesh, device: torch.device) -> tuple[FullyShardedDataParallel, int]:
-    """The FSDP-wrapped model (each ``Block`` a unit; the same seed gives the reference the
-    same initial weights) and its number of parameters."""
+def build_model(cfg: DemoConfig, mesh: DeviceMesh, device: torch.device) -> tuple[nn.Module, int]:
+    """The sharded model (each ``Block`` a unit, then the root; the same seed gives the reference
+    the same initial weights) and its number of parameters."""
     torch.manual_seed(cfg.seed)
     module, block = models.build(cfg.model)
     numel = sum(p.numel() for p in module.parameters())
+    if cfg.api == "fully_shard":
+        return _fully_shard(cfg, module.to(device), block, mesh), numel
     model = FullyShardedDataParallel(
         module,
         sharding_strategy=cfg.strategy,
@@ -107,6 +169,22 @@ def build_model(cfg: DemoConfig, mesh: DeviceMesh, device: torch.device) -> tupl
     )
     _hook(model, cfg.comm_hook)
     return model, numel
+
+
+def _fully_shard(cfg: DemoConfig, module: nn.Module, block: type[nn.Module], mesh: DeviceMesh) -> nn.Module:
+    """``fully_shard`` on every block, then the root: the strategy's mesh, and after forward
+    the parameters kept (``SHARD_GRAD_OP``, ``HYBRID_SHARD_ZERO2``) or freed."""
+    mixed = cfg.mixed()
+    policy = MixedPrecisionPolicy()
+    if mixed is not None:
+        policy = MixedPrecisionPolicy(param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype)
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=False) if cfg.offload else OffloadPolicy()
+    keep = cfg.strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
+    blocks = [m for m in module.modules() if isinstance(m, block)]
+    for m in blocks:
+        fully_shard(m, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=not keep)
+    fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    return module
 
 
 def _held_out_loss(
@@ -130,10 +208,10 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
     device = _device()
     mesh = _mesh(cfg, world, device.type)
     model, numel = build_model(cfg, mesh, device)
+    trained = Trained(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     corpus = load_corpus()
-    units = sum(1 for m in model.modules() if isinstance(m, FullyShardedDataParallel))
-    result = RunResult(rank=rank, world=world, units=units, params=numel)
+    result = RunResult(rank=rank, world=world, units=trained.units, params=numel)
     if cfg.resume is not None:
         meta = load_checkpoint(Path(cfg.resume), model, opt)
         result.start_step = int(str(meta["step"]))
@@ -141,10 +219,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
     result.tokens_per_step = rows * world * seq * cfg.grad_accum
     # a comm hook is counted as the collective it runs: the all-reduce hook all-reduces the whole gradient
     hooked = "reduce_scatter" if cfg.strategy.is_sharded and cfg.comm_hook is not CommHook.ALLREDUCE else "all_reduce"
-    sizes = {
-        Group.SHARD: model.process_group.size(),
-        Group.REPLICATE: 1 if model.replicate_group is None else model.replicate_group.size(),
-    }
+    sizes = trained.sizes
     bar = tqdm(
         total=cfg.steps,
         initial=result.start_step,
@@ -158,7 +233,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
     check = StepCheck(cfg, model, world, device) if cfg.check else None
     with profiler if profiler is not None else contextlib.nullcontext():
         for step in range(result.start_step, cfg.steps):
-            counted = model.collective_counts()
+            counted = trained.collective_counts()
             start = time.perf_counter()
             step_loss = torch.zeros((), device=device)
             if check is not None:
@@ -167,7 +242,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
                 x, y = corpus.batch(seed=cfg.seed, step=step, micro=micro, rows=rows * world, seq=seq)
                 x, y = x[rank * rows : (rank + 1) * rows].to(device), y[rank * rows : (rank + 1) * rows].to(device)
                 sync = micro == cfg.grad_accum - 1
-                with model.no_sync() if not sync else contextlib.nullcontext():
+                with trained.micro_batch(sync):
                     loss = lm_loss(models.logits(model, x, cfg.model.arch), y) / cfg.grad_accum
                     if check is None:
                         torch.autograd.backward(loss)
@@ -177,7 +252,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
             if check is not None:
                 check.gradients()
             if cfg.clip is not None:
-                norm = model.clip_grad_norm_(cfg.clip)
+                norm = trained.clip_grad_norm_(cfg.clip)
                 if check is not None:
                     check.clipped(norm)
             opt.step()
@@ -188,7 +263,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
             elapsed = time.perf_counter() - start
             result.losses.append(float(step_loss) / world)
             result.step_seconds.append(elapsed)
-            result.comm_bytes.append(_wire_bytes(counted, model.collective_counts(), sizes, hooked))
+            result.comm_bytes.append(_wire_bytes(counted, trained.collective_counts(), sizes, hooked))
             if profiler is not None:
                 profiler.step()
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps or step == result.start_step:
@@ -216,6 +291,7 @@ def run_rank(rank: int, world: int, cfg: DemoConfig) -> RunResult:
                 "model": vars(cfg.model),
                 "seed": cfg.seed,
                 "strategy": cfg.strategy.name,
+                "api": cfg.api,
                 "world": world,
                 "mixed_precision": cfg.mixed_precision,
                 "use_orig_params": cfg.use_orig_params,

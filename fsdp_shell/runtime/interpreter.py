@@ -110,6 +110,11 @@ class PlanRun:
         """Whether every op has run (the gradient is handed off)."""
 
     @property
+    def owner(self) -> PlanOwner:
+        """Whose gradient the plan processes."""
+        return self._owner
+
+    @property
     def live(self) -> tuple[str, ...]:
         """The buffers the run holds now; none once a sound plan has run (it frees or hands off
         each)."""

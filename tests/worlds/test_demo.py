@@ -96,8 +96,20 @@ def test_progress_bar_shows_loss_time_tokens_and_communication() -> None:
         ["--strategy", "NO_SHARD", "--comm-hook", "allreduce"],
         ["--strategy", "HYBRID_SHARD", "--nproc", "4", "--shard-size", "2", "--offload"],
         ["--mixed-precision", "bf16", "--comm-hook", "reduce_scatter"],
+        ["--api", "fully_shard", "--strategy", "HYBRID_SHARD", "--nproc", "4", "--shard-size", "2", "--offload"],
+        ["--api", "fully_shard", "--strategy", "SHARD_GRAD_OP", "--mixed-precision", "bf16", "--grad-accum", "3"],
+        ["--api", "fully_shard", "--grad-accum", "2", "--clip", "0.5"],
     ],
-    ids=["full-shard", "grad-op-orig-accum-clip", "no-shard-hook", "hybrid-offload", "bf16-hook"],
+    ids=[
+        "full-shard",
+        "grad-op-orig-accum-clip",
+        "no-shard-hook",
+        "hybrid-offload",
+        "bf16-hook",
+        "fully-shard-hybrid-offload",
+        "fully-shard-grad-op-bf16-accum",
+        "fully-shard-accum-clip",
+    ],
 )
 def test_check_against_the_single_process_reference(options: list[str]) -> None:
     done = demo("--steps", "4", "--check", *QUICK, *options)
@@ -107,7 +119,8 @@ def test_check_against_the_single_process_reference(options: list[str]) -> None:
 
 def _check_sabotaged(rank: int, world: int, cfg: DemoConfig) -> list[CheckReport]:
     """Two short ``--check`` runs, one with unit 0's reduced gradient and one with the updated
-    parameters of unit 1 moved by one part in 2**20 before the check compares them."""
+    parameters of unit 1 moved by one part in 2**20 before the check compares them (with
+    ``fully_shard``: the first parameter's of each)."""
     reports = []
     for sabotage in ("gradients", "stepped"):
         original = getattr(StepCheck, sabotage)
@@ -115,8 +128,15 @@ def _check_sabotaged(rank: int, world: int, cfg: DemoConfig) -> list[CheckReport
         def sabotaged(
             self: StepCheck, original: Callable[[StepCheck], None] = original, sabotage: str = sabotage
         ) -> None:
-            h = self.units[0 if sabotage == "gradients" else 1]
-            moved = h.sharded_grad_flat() if sabotage == "gradients" else h.local
+            unit = 0 if sabotage == "gradients" else 1
+            if self.states:
+                group = self.states[unit].group
+                assert group is not None
+                p = group.sharded[0]
+                moved = (p.grad if sabotage == "gradients" else p).to_local()  # type: ignore[union-attr]  # DTensors
+            else:
+                h = self.units[unit]
+                moved = h.sharded_grad_flat() if sabotage == "gradients" else h.local
             assert moved is not None
             with torch.no_grad():
                 moved.mul_(1 + 2.0**-20)
@@ -132,17 +152,20 @@ def _check_sabotaged(rank: int, world: int, cfg: DemoConfig) -> list[CheckReport
     return reports
 
 
-def test_check_fails_on_a_gradient_or_update_off_by_one_part_in_a_million() -> None:
+@pytest.mark.parametrize("api", ["fsdp1", "fully_shard"])
+def test_check_fails_on_a_gradient_or_update_off_by_one_part_in_a_million(api: str) -> None:
     """A relative error of 2**-20 (8 float32 roundings of the value itself) is far outside the
     bound of a 2-rank float32 reduction (2 roundings of the terms)."""
     cfg = DemoConfig(
-        steps=2, batch_size=4, quiet=True, eval_every=100, check=True, model=ModelConfig(layers=2, width=32)
+        api=api, steps=2, batch_size=4, quiet=True, eval_every=100, check=True, model=ModelConfig(layers=2, width=32)
     )
     grads, updates = run_world(2, _check_sabotaged, cfg, timeout=300)[0]
     assert not grads.passed and grads.gradients.ratio > 2 and grads.updates.ratio <= 1, grads.lines()
-    assert grads.gradients.name.startswith("blocks.0."), grads.lines()  # unit 0: the first block
+    # unit 0 and unit 1: FSDP1's first two blocks; fully_shard's root (the embedding first) and first block
+    first, second = ("blocks.0.", "blocks.1.") if api == "fsdp1" else ("embed.", "blocks.0.")
+    assert grads.gradients.name.startswith(first), grads.lines()
     assert not updates.passed and updates.updates.ratio > 2 and updates.gradients.ratio <= 1, updates.lines()
-    assert updates.updates.name.startswith("blocks.1."), updates.lines()
+    assert updates.updates.name.startswith(second), updates.lines()
 
 
 def documented_check_commands() -> list[str]:
@@ -193,9 +216,12 @@ def _run(cfg: DemoConfig, world: int) -> RunResult:
     return run_world(world, run_rank, cfg, timeout=600)[0]
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
-def test_save_and_resume_continue_exactly(tmp_path: Path, use_orig_params: bool) -> None:
+@pytest.mark.parametrize(
+    ("api", "use_orig_params"), [("fsdp1", False), ("fsdp1", True), ("fully_shard", False)], ids=str
+)
+def test_save_and_resume_continue_exactly(tmp_path: Path, api: str, use_orig_params: bool) -> None:
     base = DemoConfig(
+        api=api,
         steps=6,
         batch_size=4,
         quiet=True,
@@ -276,6 +302,10 @@ def test_plot_writes_a_png_and_says_where(tmp_path: Path) -> None:
         (["--plot", "out.txt"], "--plot: cannot write .txt files; accepted: "),
         (["--plot", str(ROOT)], f"--plot: {ROOT} is a directory; expected a file name such as {ROOT / 'loss.png'}"),
         (["--plot", str(ROOT / "README.md" / "loss.png")], "--plot: "),
+        (["--api", "fully_shard", "--strategy", "NO_SHARD"], "--strategy: fully_shard shards; for NO_SHARD's"),
+        (["--api", "fully_shard", "--use-orig-params"], "--use-orig-params: fully_shard's parameters are always"),
+        (["--api", "fully_shard", "--comm-hook", "allreduce"], "--comm-hook: FSDP1's communication hooks;"),
+        (["--api", "fsdp2"], "--api"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
