@@ -278,5 +278,10 @@ CLI_BLOCKS: Mapping[str, tuple[str, ...]] = {
     # docs/user-guide.md, "Will it fit?": Llama 2 7B on 64 GPUs as 8 x 8 HSDP with bf16
     "fit_7b_hsdp": _FIT_7B,
     "fit_7b_hsdp_no_sync": (*_FIT_7B, "--grad-accum", "4"),
+    # docs/from-fsdp2.md: one block of its script (LayerNorm, up and down) as a fully_shard unit
+    "fully_shard_block": (
+        *("--api", "fully_shard", "--shapes", "64,64,256x64,256,64x256,64", "--world-size", "2"),
+        *("--param-dtype", "bf16", "--reduce-dtype", "fp32", "--backend", "gloo"),
+    ),
 }
 """Every ``fsdp-plan`` command line a document shows the output of (without ``fsdp-plan``)."""
