@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check, for the day a GPU is lent (one is enough), in under 5 minutes; one summary line per part:
 #   1. world size 1 on NCCL (tests/device/test_gpu.py): every strategy, prefetch, offload, in-collective
-#      division, and the slow-side-stream stress;
+#      division, and the slow-side-stream stress; then fully_shard against a plain model and FSDP2;
 #   2. max_memory_allocated against FSDP1 on the same model, and against the memory prediction
 #      (fsdp_shell.predict, backend nccl) with the reserved peak beside it;
 #   3. the sharded and hybrid paths with 2 and 4 ranks sharing device 0 over gloo, on real device
@@ -23,8 +23,10 @@ pytest_part() {  # name, timeout, pytest arguments...
     shift 2
     timeout "$limit" "$py" -m pytest -q -s -rA --tb=short -p no:cacheprovider tests/device/test_gpu.py "$@" >"$logs/$name.log" 2>&1
 }
-pytest_part nccl 150 -k "not peak and not predicted" || status=1
+pytest_part nccl 150 -k "not peak and not predicted and not fully_shard" || status=1
 echo "world size 1, NCCL: $(tail -1 "$logs/nccl.log")"
+pytest_part fully_shard 90 -k fully_shard || status=1
+echo "fully_shard, world size 1, NCCL: $(grep -E "^fully_shard|passed|failed|error" "$logs/fully_shard.log" | tr '\n' ' ')"
 pytest_part peak 60 -k peak || status=1
 echo "memory against FSDP1: $(grep -E "max_memory_allocated|passed|failed|error" "$logs/peak.log" | tr '\n' ' ')"
 pytest_part predicted 90 -k predicted || status=1

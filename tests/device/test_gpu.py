@@ -1,6 +1,7 @@
 """The CUDA-stream and NCCL paths, on one GPU (skipped without CUDA; see scripts/gpu_check.sh).
 
-- world size 1 NCCL: every strategy trains like a plain single-GPU model;
+- world size 1 NCCL: every strategy trains like a plain single-GPU model, and so does
+  ``fully_shard`` (1-D and HSDP meshes, a side stream slowed), like PyTorch's own too;
 - stream ordering: plan streams map to distinct CUDA streams, and results are right when the
   all-reduce stream is made slow;
 - buffer aliasing stress: with a long sleep enqueued before every collective on the side
@@ -93,6 +94,49 @@ def _train(
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
 def test_world_size_1_nccl_trains_like_a_plain_model(nccl_world: None, strategy: ShardingStrategy) -> None:
     assert _train(strategy) < 1e-5
+
+
+@pytest.mark.parametrize("slow", [None, Stream.POST_BACKWARD, Stream.ALL_REDUCE], ids=lambda s: f"slow-{s}")
+@pytest.mark.parametrize("mesh_shape", [(1,), (1, 1)], ids=["1d", "hsdp"])
+def test_fully_shard_trains_like_a_plain_model_and_pytorchs(
+    nccl_world: None, mesh_shape: tuple[int, ...], slow: Stream | None
+) -> None:
+    """``fsdp_shell.fully_shard`` (every layer, then the root) on a CUDA mesh, with one side
+    stream slowed or none: the parameters after each step equal a plain model's and PyTorch's
+    own ``fully_shard``'s."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_shell import fully_shard
+
+    names = ("replicate", "shard")[-len(mesh_shape) :]
+    mesh = init_device_mesh("cuda", mesh_shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    ref = Deep().cuda()
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = Deep().cuda()
+        model.load_state_dict(ref.state_dict())
+        for layer in model.layers:
+            shard(layer, mesh=mesh)
+        shard(model, mesh=mesh)
+        models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    worst = {"plain": 0.0, "fsdp2": 0.0}
+    with slowed(slow):
+        for step in range(4):
+            x = torch.randn(64, 257, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            for model, opt in (*models, (ref, ropt)):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            (ours, _), (theirs, _) = models
+            for p, q, r in zip(ours.parameters(), theirs.parameters(), ref.parameters(), strict=True):
+                mine = p.full_tensor()  # type: ignore[attr-defined]  # a DTensor
+                worst["plain"] = max(worst["plain"], float((mine - r).abs().max()))
+                worst["fsdp2"] = max(worst["fsdp2"], float((mine - q.full_tensor()).abs().max()))  # type: ignore[attr-defined]  # a DTensor
+    torch.cuda.synchronize()
+    print(f"fully_shard {mesh_shape} slow {slow}: from a plain model {worst['plain']:.2e}, FSDP2 {worst['fsdp2']:.2e}")
+    assert worst["plain"] < 1e-5 and worst["fsdp2"] < 1e-5, worst
 
 
 def test_plan_streams_are_distinct_device_streams(nccl_world: None) -> None:
