@@ -276,12 +276,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--models", default="wide,tiny,hybrid")
-    parser.add_argument("--memory-models", default="wide,tiny,hybrid,large")
+    parser.add_argument("--memory-models", default="wide,tiny,hybrid,large", help="comma-separated; none: skip")
     parser.add_argument("--memory-runs", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"gloo on CPU, {args.rounds} interleaved rounds; ratio = ours / theirs, median [IQR] of per-round ratios")
+    for name, given in (("--models", args.models), ("--memory-models", args.memory_models)):
+        unknown = [k for k in given.split(",") if k not in SHAPES and given != "none"]
+        if unknown:
+            parser.error(f"{name}: unknown model(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(SHAPES)}")
     for kind in args.models.split(","):
         ranks = SHAPES[kind][2]
         out = run_world(ranks, bench, (kind, args.rounds), timeout=1800)
@@ -319,7 +323,7 @@ def main() -> None:
             f"{'':>8}plans: {misses} built and verified once ({verify_us:.0f} us each); each later "
             "backward looks its plan up by unit and carried roles (Tree.step_plan)"
         )
-    for kind in args.memory_models.split(","):
+    for kind in [] if args.memory_models == "none" else args.memory_models.split(","):
         ranks = SHAPES[kind][2]
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in BUILDERS}
         for _ in range(args.memory_runs):
