@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU check, for the day a GPU is lent (one is enough), in under 5 minutes; one summary line per part:
+# GPU check, for the day a GPU is lent (one is enough), in under 8 minutes; one summary line per part:
 #   1. world size 1 on NCCL (tests/device/test_gpu.py): every strategy, prefetch, offload, in-collective
 #      division, and the slow-side-stream stress; then fully_shard against a plain model and FSDP2;
 #   2. max_memory_allocated against FSDP1 on the same model, and against the memory prediction
 #      (fsdp_shell.predict, backend nccl) with the reserved peak beside it;
 #   3. the sharded and hybrid paths with 2 and 4 ranks sharing device 0 over gloo, on real device
 #      streams, also with one side stream slowed (tests/device/gpu_worlds.py; it first names the
-#      collectives gloo lacks for device tensors).
+#      collectives gloo lacks for device tensors);
+#   4. step time at world size 1 on the GPU, our FSDP1 API and fully_shard against PyTorch's FSDP1 and FSDP2,
+#      on the wide and many-tiny-units models (benchmarks/bench_gpu_step.py; one line per model).
 # Each part's whole output (failures with their tracebacks) is kept in GPU_CHECK_LOGS (a new
 # temporary folder unless set); the last line names it.
 # Usage: bash scripts/gpu_check.sh            (PYTHON: the interpreter that holds torch, else python3)
@@ -32,5 +34,6 @@ echo "memory against FSDP1: $(grep -E "max_memory_allocated|passed|failed|error"
 pytest_part predicted 90 -k predicted || status=1
 echo "memory against the prediction: $(grep -E "predicted peak|passed|failed|error" "$logs/predicted.log" | tr '\n' ' ')"
 timeout 200 "$py" -m tests.device.gpu_worlds 2>&1 | tee "$logs/worlds.log" || status=1
+timeout 150 "$py" benchmarks/bench_gpu_step.py --device cuda --rounds 20 2>"$logs/step.err" | tee "$logs/step.log" || status=1
 echo "whole output of each part: $logs"
 exit $status
