@@ -239,15 +239,22 @@ class ScatterForm(enum.Enum):
     """All-to-all into a receive buffer the size of the input, then a local sum of the chunks."""
     ALL_REDUCE = ("all_reduce", False)
     """An in-place all-reduce of the input, then a copy of this rank's chunk."""
+    LOCAL = ("local", False)
+    """A group of one rank: the input copied into the output, no collective (a sum or an average
+    over one rank is the input)."""
 
     def __init__(self, label: str, receive_buffer: bool) -> None:
         self.label = label
         self.receive_buffer = receive_buffer
 
 
-def scatter_form(kind: ReduceKind, src_bytes: int, *, gloo: bool, src_dies: bool) -> ScatterForm:
-    """The form of a reduce-scatter of ``src_bytes`` with reduction ``kind``; ``src_dies``: no op
-    after it uses its input before the plan frees it (``fsdp_core.plan.request.dies_after``)."""
+def scatter_form(kind: ReduceKind, src_bytes: int, *, gloo: bool, src_dies: bool, ranks: int = 2) -> ScatterForm:
+    """The form of a reduce-scatter of ``src_bytes`` with reduction ``kind`` over ``ranks``
+    ranks; ``src_dies``: no op after it uses its input before the plan frees it
+    (``fsdp_core.plan.request.dies_after``). Over one rank a sum or an average is a copy
+    (FSDP1 runs no collective for ``NO_SHARD``'s one rank either, FSDP2 none at world size 1)."""
+    if ranks == 1 and kind in (ReduceKind.SUM, ReduceKind.AVG):
+        return ScatterForm.LOCAL
     if not gloo or kind is not ReduceKind.SUM:
         return ScatterForm.NATIVE
     if src_dies and src_bytes > ALL_TO_ALL_MAX_BYTES:

@@ -169,6 +169,7 @@ class _Walk:
         self, plan: Plan, executor: Executor, lane: LaneOrder[_Held], unsharded: int, allocator: Allocator
     ) -> None:
         self.ops = plan.ops
+        self.request = plan.request
         self.src_dies = plan.src_dies
         self.allocator = allocator
         self.unsharded = unsharded
@@ -329,7 +330,13 @@ class _Walk:
         """The receive buffer of the reduce-scatter's form on gloo (module docstring)."""
         if not self.cpu:
             return 0
-        form = scatter_form(op.reduce_op.kind, op.src.nbytes, gloo=True, src_dies=index in self.src_dies)
+        form = scatter_form(
+            op.reduce_op.kind,
+            op.src.nbytes,
+            gloo=True,
+            src_dies=index in self.src_dies,
+            ranks=self.request.group_size(op.group),
+        )
         return op.src.nbytes if form.receive_buffer else 0
 
 

@@ -201,8 +201,13 @@ class CpuRuntime:
         self, stream: Stream, group: Group, dst: torch.Tensor, src: torch.Tensor, op: ReduceOpSpec, *, src_dies: bool
     ) -> None:
         pg = self._by_group.get(group) or self._groups.of(group)  # ``of`` says why a group is missing
-        form = scatter_form(op.kind, src.numel() * src.element_size(), gloo=self._gloo, src_dies=src_dies)
+        form = scatter_form(
+            op.kind, src.numel() * src.element_size(), gloo=self._gloo, src_dies=src_dies, ranks=pg.size()
+        )
         announce = partial(self._log.add, "reduce_scatter", group, src.dtype, src.numel())
+        if form is ScatterForm.LOCAL:
+            self._collective(stream, group, partial(_copied, dst, src), (src, dst), announce)
+            return
         if form is ScatterForm.NATIVE:
             native = partial(reduce_scatter_flat, dst, src, pg, to_reduce_op(op), async_op=True)
             self._collective(stream, group, native, (src, dst), announce)
@@ -265,6 +270,10 @@ class CpuRuntime:
         self._log.add("all_gather", Group.SHARD, out.dtype, out.numel())
         group = self._groups.gather_group
         work: Waitable | None
+        if group.size() == 1:  # the output is the input: no collective
+            if out.data_ptr() != src.data_ptr():
+                out.copy_(src)
+            return None
         if gather_by_broadcasts(out.nbytes):
             work = broadcast_gather(out, src, group)
         else:
@@ -276,6 +285,11 @@ class CpuRuntime:
             pending.wait()
             return None
         return pending
+
+
+def _copied(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A one-rank reduce-scatter (``ScatterForm.LOCAL``): the input is the result."""
+    dst.copy_(src)
 
 
 def gloo_reduce_scatter(

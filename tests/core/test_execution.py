@@ -79,7 +79,10 @@ def test_gloo_forms_follow_the_sizes() -> None:
     assert scatter_form(ReduceKind.SUM, small, gloo=True, src_dies=True) is ScatterForm.ALL_TO_ALL
     assert scatter_form(ReduceKind.SUM, small, gloo=False, src_dies=True) is ScatterForm.NATIVE
     assert scatter_form(ReduceKind.AVG, small, gloo=True, src_dies=True) is ScatterForm.NATIVE
-    assert [f.receive_buffer for f in ScatterForm] == [False, True, False]
+    assert [f.receive_buffer for f in ScatterForm] == [False, True, False, False]
+    for kind in (ReduceKind.SUM, ReduceKind.AVG):
+        assert scatter_form(kind, large, gloo=True, src_dies=True, ranks=1) is ScatterForm.LOCAL
+    assert scatter_form(ReduceKind.PREMUL_SUM, small, gloo=False, src_dies=True, ranks=1) is ScatterForm.NATIVE
     assert not gather_waits(ASYNC_GATHER_MAX_BYTES) and gather_waits(ASYNC_GATHER_MAX_BYTES + 1)
     assert BROADCAST_GATHER_MIN_BYTES == 2 << 20
     assert gather_by_broadcasts(2 << 20) and not gather_by_broadcasts((2 << 20) - 1)

@@ -254,3 +254,38 @@ def gathers_both_ways(rank: int, world: int, arg: None) -> list[str]:
 
 def test_a_large_gather_as_broadcasts_equals_gloos_all_gather() -> None:
     assert run_world(4, gathers_both_ways, None, timeout=120) == [[]] * 4
+
+
+def one_rank_collectives(rank: int, world: int, arg: None) -> dict[str, dict[str, int]]:
+    """gloo's collectives in one training step of a world of one rank, by API (profiler events)."""
+    import torch
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_shell import FSDP, fully_shard
+
+    out = {}
+    for api in ("fsdp1", "fully_shard"):
+        torch.manual_seed(0)
+        module = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3)))
+        if api == "fsdp1":
+            model: nn.Module = FSDP(module, auto_wrap_policy={nn.Linear})
+        else:
+            for layer in module:
+                fully_shard(layer)
+            model = fully_shard(module)  # type: ignore[assignment]  # an FSDPModule, an nn.Module too
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):  # the second step's
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        names = [e.name for e in prof.events() if e.name.startswith("gloo:")]
+        out[api] = {n: names.count(n) for n in set(names)}
+    return out
+
+
+def test_a_world_of_one_rank_runs_no_collective_for_its_gathers_and_reductions() -> None:
+    """A sum over one rank is its input and a gather of one rank's shard is the shard: both APIs
+    copy instead (``ScatterForm.LOCAL``), as FSDP1's NO_SHARD and FSDP2 at world size 1 skip them."""
+    assert run_world(1, one_rank_collectives, None, timeout=120) == [{"fsdp1": {}, "fully_shard": {}}]
