@@ -40,6 +40,7 @@ from fsdp_core.memory.unshard_memory import (
     GatherWalk,
     UnshardFootprint,
     gather_bytes,
+    per_param_gather_bytes,
     unshard_footprints,
 )
 from fsdp_core.memory.workspace import Workspaces, cuda_workspaces
@@ -77,6 +78,7 @@ __all__ = [
     "optimized_tensors",
     "optimizer_state_bytes",
     "optimizer_step_bytes",
+    "per_param_gather_bytes",
     "plan_memory",
     "unshard_footprints",
     "unsharded_param_bytes",

@@ -1,9 +1,17 @@
 """What the all-gather schedule holds, hook by hook: exact bytes from the schedule's actions.
 
-A unit's parameters are gathered into memory of their own (``GatherBytes.unsharded``: the padded
+A flat parameter's unit is gathered into memory of its own (``GatherBytes.unsharded``: the padded
 flat parameter in the compute dtype) unless the unsharded parameter is the local shard itself
 (``NO_SHARD`` in the parameters' own dtype). Nothing else: a shard in a compute dtype of its own
 is cast into its own slot of that memory and gathered in place (``NO_SHARD`` casts into it).
+
+A per-parameter (``fully_shard``) unit is gathered into a buffer of the all-gather's own
+(``GatherBytes.buffer``: the layout's ``padded_numel`` in the compute dtype), allocated when the
+all-gather is issued, the shards copied into this rank's slice of it; where its result is awaited,
+the unsharded parameters' memory comes back (``unsharded``: every parameter's stacked chunks,
+and for a parameter sharded on another dimension its whole tensor too), the buffer is copied
+out into it (a parameter on another dimension through a concatenation of its chunks, the
+largest of which is ``copy_out``) and returned (``per_param_gather_bytes``).
 
 ``unshard_footprints`` walks one iteration's hook events in order (``UnshardRequest.events``),
 each unit sharded, in flight or gathered, and gives each event's peak and net bytes, relative to
@@ -15,14 +23,18 @@ of backward the units still gathered are resharded unless the strategy keeps the
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
+
+import torch
 
 from fsdp_core.memory.allocator import EXACT, Allocator
 from fsdp_core.memory.plan_memory import unsharded_param_bytes
 from fsdp_core.plan.request import PlanRequest
 from fsdp_core.spec.events import Event, HookEvent
+from fsdp_core.spec.per_param import PerParamLayout
 from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard, UnshardAction, UnshardSchedule
 
 __all__ = [
@@ -30,6 +42,7 @@ __all__ = [
     "GatherWalk",
     "UnshardFootprint",
     "gather_bytes",
+    "per_param_gather_bytes",
     "unshard_footprints",
 ]
 
@@ -39,11 +52,26 @@ class GatherBytes:
     """One unit's all-gather memory (module docstring)."""
 
     unsharded: int
+    buffer: int = 0
+    """A per-parameter unit's all-gather buffer, held from the issue to the copy-out (0: the unit
+    gathers into its unsharded memory itself, a flat parameter)."""
+    copy_out: int = 0
+    """A per-parameter unit's largest temporary of the copy-out."""
 
 
 def gather_bytes(request: PlanRequest, allocator: Allocator = EXACT) -> GatherBytes:
-    """``request``'s unit as the runtimes gather it."""
+    """``request``'s unit as the runtimes gather it (a flat parameter)."""
     return GatherBytes(unsharded_param_bytes(request, allocator))
+
+
+def per_param_gather_bytes(layout: PerParamLayout, compute: torch.dtype, allocator: Allocator = EXACT) -> GatherBytes:
+    """A per-parameter unit with every parameter ``layout`` holds (those without gradients
+    too) gathered in ``compute`` (module docstring)."""
+    size = compute.itemsize
+    buffer = allocator.size(layout.padded_numel * size)
+    stacked = [allocator.size(math.prod(layout.gathered_shape(i)) * size) for i in range(len(layout.params))]
+    wholes = [allocator.size(math.prod(p.shape) * size) for p in layout.params if p.shard_dim != 0]
+    return GatherBytes(sum(stacked) + sum(wholes), buffer=buffer, copy_out=max(wholes, default=0))
 
 
 class _State(enum.Enum):
@@ -106,15 +134,26 @@ class GatherWalk:
     def _start(self, unit: int) -> None:
         if self.state[unit] is not _State.SHARDED:
             return
-        self._add(self.units[unit].unsharded)
+        u = self.units[unit]
+        self._add(u.buffer or u.unsharded)
         self.state[unit] = _State.IN_FLIGHT
 
     def _finish(self, unit: int) -> None:
         self._start(unit)
+        u = self.units[unit]
+        if self.state[unit] is _State.IN_FLIGHT and u.buffer:  # unsharded memory back, the copy-out, the buffer gone
+            self._add(u.unsharded)
+            self.peak = max(self.peak, self.live + u.copy_out)
+            self.live -= u.buffer
         self.state[unit] = _State.UNSHARDED
 
     def resharded(self, unit: int) -> None:
         """Freed outside the schedule (by the unit's post-backward plan)."""
+        u = self.units[unit]
+        if self.state[unit] is _State.IN_FLIGHT and u.buffer:  # an all-gather no one waited for: its buffer back
+            self.live -= u.buffer
+            self.state[unit] = _State.SHARDED
+            return
         if self.state[unit] is not _State.SHARDED:
             self._finish(unit)
             self.live -= self.units[unit].unsharded

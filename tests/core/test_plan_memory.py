@@ -143,3 +143,25 @@ def test_holding_each_fp32_reduce_output_to_the_end_of_backward_grows_with_the_u
         # PLANS_IN_FLIGHT plans later: that many (and this one) are held either way
         extra = [2000 * max(0, k + 1 - kept) for k in range(units)]
         assert [b - g for b, g in zip(held_bad, held_good)] == extra, executor
+
+
+def test_a_per_parameter_unit_gathers_into_a_buffer_of_its_own_then_copies_out() -> None:
+    """9 x 6 and 9 rows over 4 ranks (chunks of 3 rows: stacked 72 and 12 elements) and 4 x 8 on
+    dimension 1 (chunks of 2 columns: stacked 32, and its whole 32), in bf16: a buffer of 116
+    elements from the issue, the unsharded memory (116 stacked + 32 whole) where the gather is
+    awaited, with the concatenation of the 4 x 8 parameter's chunks (32) on top, then the buffer
+    back."""
+    from fsdp_core import PerParamLayout
+    from fsdp_core.memory import GatherWalk, per_param_gather_bytes
+    from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard
+
+    layout = PerParamLayout.of([("w", (9, 6)), ("b", (9,)), ("v", (4, 8), 1)], torch.float32, 4)
+    gb = per_param_gather_bytes(layout, torch.bfloat16)
+    assert (gb.buffer, gb.unsharded, gb.copy_out) == (232, 296, 64)
+    walk = GatherWalk([gb])
+    assert walk.run_all([Gather(unit=0)]) == (232, 232)
+    assert walk.run_all([AwaitGather(unit=0)]) == (296 + 64, 296 - 232)
+    assert walk.run_all([Reshard(unit=0)]) == (0, -296)
+    assert walk.run_all([Gather(unit=0)]) == (232, 232)
+    walk.resharded(0)  # an all-gather no one waited for: only its buffer comes back
+    assert walk.live == 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -662,3 +663,60 @@ def test_a_rank_that_stops_is_a_clear_error_in_bounded_time() -> None:
     assert time.monotonic() - started < 45
     assert message.startswith("FSDP: rank 0 gave up waiting for the other ranks in the "), message
     assert "forward of the unit of Net (holding embed.weight" in message and "a rank stopped, died" in message, message
+
+
+# -- the all-gather memory model against the runtime ---------------------------------------------
+
+
+class Odd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(9, 6))  # uneven rows
+        self.b = nn.Parameter(torch.randn(9))
+        self.v = nn.Parameter(torch.randn(4, 8))  # Shard(1): a whole tensor and a concatenation too
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = (x @ self.w.T + self.b)[..., :4] @ self.v
+        return out
+
+
+def gather_bytes_measured(rank: int, world: int, bf16: bool) -> list[str]:
+    """One unit's issue, await and reshard measured with ``LiveBytes`` (peak and net bytes of
+    each, on this rank, after a first gather) against ``GatherWalk`` with
+    ``per_param_gather_bytes``."""
+    from fsdp_core.memory import GatherWalk, per_param_gather_bytes
+    from fsdp_core.unshard.schedule import AwaitGather, Gather, Reshard
+    from fsdp_shell.fsdp2.state import lazy_init
+    from fsdp_shell.memory import LiveBytes
+
+    torch.manual_seed(0)
+    model = Odd()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    fully_shard(model, mp_policy=mp, shard_placement_fn=lambda p: Shard(1) if p.shape == (4, 8) else None)
+    state = state_of(model)
+    assert state is not None and state.group is not None
+    group, runtime = state.group, lazy_init(state).runtime(state.mesh)
+    walk = GatherWalk([per_param_gather_bytes(group.layout, group.dtypes.compute)])
+    problems = []
+    with LiveBytes() as live:
+        group.unshard(runtime)  # a first cycle: the mode counts a storage from the first op that touches it
+        group.free_unsharded()
+        steps: list[tuple[Gather | AwaitGather | Reshard, Callable[[], None]]] = [
+            (Gather(unit=0), lambda: group.start_unshard(runtime)),
+            (AwaitGather(unit=0), lambda: group.unshard(runtime)),
+            (Reshard(unit=0), group.free_unsharded),
+            (Gather(unit=0), lambda: group.start_unshard(runtime)),
+            (Reshard(unit=0), group.free_unsharded),  # a gather no one waited for
+        ]
+        for action, run in steps:
+            with live.window() as w:
+                run()
+            measured, modeled = (w.peak - w.start, w.end - w.start), walk.run_all([action])
+            if measured != modeled:
+                problems.append(f"{type(action).__name__}: measured (peak, net) {measured}, modeled {modeled}")
+    return problems
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_the_gather_memory_model_is_what_the_runtime_holds(bf16: bool) -> None:
+    assert run_world(2, gather_bytes_measured, bf16, timeout=120) == [[], []]
