@@ -17,6 +17,7 @@ from fsdp_core.memory.model_memory import (
     for_rank,
     model_memory,
     optimized_tensors,
+    per_param_optimized_tensors,
 )
 from fsdp_core.memory.optimizer import (
     OptimizedTensor,
@@ -79,6 +80,7 @@ __all__ = [
     "optimizer_state_bytes",
     "optimizer_step_bytes",
     "per_param_gather_bytes",
+    "per_param_optimized_tensors",
     "plan_memory",
     "unshard_footprints",
     "unsharded_param_bytes",

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import assert_never
+
+import torch
 
 from fsdp_core.execution import lane_issues_shard
 from fsdp_core.memory.activation_trace import ActivationTrace, Mark
@@ -47,6 +50,7 @@ from fsdp_core.plan.planner import build_plan
 from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.spec.config import BackwardPrefetch
 from fsdp_core.spec.events import Event, HookEvent
+from fsdp_core.spec.per_param import PerParamLayout
 from fsdp_core.unshard.schedule import AwaitGather, UnshardRequest, plan_unshard, unshard_request
 
 __all__ = [
@@ -59,6 +63,7 @@ __all__ = [
     "for_rank",
     "model_memory",
     "optimized_tensors",
+    "per_param_optimized_tensors",
 ]
 
 
@@ -221,6 +226,20 @@ def optimized_tensors(
         if v is not None and index not in u.frozen:
             out.append(OptimizedTensor(numel=v.numel, dtype=r.layout.dtype, grad_dtype=r.grad_dtype))
     return tuple(out)
+
+
+def per_param_optimized_tensors(
+    layout: PerParamLayout, rank: int, grad_dtype: torch.dtype, frozen: frozenset[int] = frozenset()
+) -> tuple[OptimizedTensor, ...]:
+    """What the optimizer steps on ``rank`` for a per-parameter (``fully_shard``) unit: each
+    trainable parameter's local shard (its ``DTensor``'s local tensor, without the padding: on
+    its shard dimension the rows ``rank`` holds, possibly none), in layout order; ``frozen``:
+    the indices of parameters without gradients, not optimized."""
+    return tuple(
+        OptimizedTensor(numel=math.prod(layout.sharded_shape(i, rank)), dtype=layout.dtype, grad_dtype=grad_dtype)
+        for i in range(len(layout.params))
+        if i not in frozen
+    )
 
 
 @dataclass(frozen=True, slots=True)

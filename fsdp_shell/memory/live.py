@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["LiveBytes", "Window"]
@@ -146,6 +146,16 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]  # TorchDis
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _see(self, t: torch.Tensor) -> None:
+        wrapper: object = t  # the TypeGuard makes a Tensor one unreachable to mypy
+        if is_traceable_wrapper_subclass(wrapper):
+            # a DTensor's own storage is a placeholder of the global size, no memory: its local
+            # tensor's is what it holds
+            attrs, _ = wrapper.__tensor_flatten__()
+            for name in attrs:
+                inner = getattr(wrapper, name)
+                if isinstance(inner, torch.Tensor):
+                    self._see(inner)
+            return
         try:
             storage = t.untyped_storage()
         except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, subclasses)

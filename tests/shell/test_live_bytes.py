@@ -59,3 +59,24 @@ def test_other_devices_are_not_counted() -> None:
         meta = torch.empty(1 << 20, device="meta")
         assert live.current == 0
         del meta
+
+
+def test_a_dtensor_counts_as_its_local_tensor_not_its_placeholder_storage() -> None:
+    """A ``DTensor``'s own storage is a placeholder of the global size (no memory): what it holds is
+    its local tensor's. One rank of a fake world of 4: 16 local floats of a 64-float tensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        with LiveBytes() as live:
+            local = torch.zeros(4, 4)
+            d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            doubled = d * 2  # a DTensor-level op: its result's local tensor is new
+        assert d.untyped_storage().nbytes() == 256  # the placeholder
+        assert live.current == 2 * 64 and isinstance(doubled, DTensor)
+    finally:
+        dist.destroy_process_group()

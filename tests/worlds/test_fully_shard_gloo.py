@@ -720,3 +720,35 @@ def gather_bytes_measured(rank: int, world: int, bf16: bool) -> list[str]:
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_the_gather_memory_model_is_what_the_runtime_holds(bf16: bool) -> None:
     assert run_world(2, gather_bytes_measured, bf16, timeout=120) == [[], []]
+
+
+def optimizer_bytes_measured(rank: int, world: int, foreach: bool) -> list[str]:
+    """AdamW on a ``fully_shard`` unit's DTensor parameters (rank 1 of 4 holds 3 of 9 rows, rank 3
+    none): the state its first step makes and the most a later step holds above it, measured
+    with ``LiveBytes``, against ``per_param_optimized_tensors`` and the optimizer formulas."""
+    from fsdp_core.memory import OptimizerKind, OptimizerSpec, per_param_optimized_tensors
+    from fsdp_core.memory.optimizer import optimizer_state_bytes, optimizer_step_bytes
+    from fsdp_shell.memory import LiveBytes
+
+    torch.manual_seed(0)
+    model = Odd()
+    fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.shape == (4, 8) else None)
+    state = state_of(model)
+    assert state is not None and state.group is not None
+    tensors = per_param_optimized_tensors(state.group.layout, rank, torch.float32)
+    spec = OptimizerSpec(kind=OptimizerKind.ADAMW, foreach=foreach)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    with LiveBytes() as live:
+        model(torch.randn(2, 6)).sum().backward()
+        with live.window() as first:
+            opt.step()
+        with live.window() as later:
+            opt.step()
+    got = (first.end - first.start, later.peak - later.start)
+    want = (optimizer_state_bytes(spec, tensors, host_is_device=True), optimizer_step_bytes(spec, tensors))
+    return [] if got == want else [f"rank {rank}: measured (state, step) {got}, modeled {want}"]
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single-tensor", "foreach"])
+def test_the_optimizer_memory_of_dtensor_shards_is_the_models(foreach: bool) -> None:
+    assert run_world(4, optimizer_bytes_measured, foreach, timeout=120) == [[]] * 4
