@@ -57,6 +57,11 @@ class GatherBytes:
     gathers into its unsharded memory itself, a flat parameter)."""
     copy_out: int = 0
     """A per-parameter unit's largest temporary of the copy-out."""
+    post_forward: int = 0
+    """A per-parameter unit that reshards to a smaller group after forward (``fully_shard``'s
+    ``reshard_after_forward`` an int, ZeRO++'s hpZ): the part of its gathered chunks its
+    ``Reshard`` keeps, made before the unsharded memory goes and given back when the next
+    all-gather has copied it into its buffer (0: a ``Reshard`` frees everything)."""
 
 
 def gather_bytes(request: PlanRequest, allocator: Allocator = EXACT) -> GatherBytes:
@@ -64,14 +69,18 @@ def gather_bytes(request: PlanRequest, allocator: Allocator = EXACT) -> GatherBy
     return GatherBytes(unsharded_param_bytes(request, allocator))
 
 
-def per_param_gather_bytes(layout: PerParamLayout, compute: torch.dtype, allocator: Allocator = EXACT) -> GatherBytes:
+def per_param_gather_bytes(
+    layout: PerParamLayout, compute: torch.dtype, allocator: Allocator = EXACT, *, post_forward_ranks: int = 0
+) -> GatherBytes:
     """A per-parameter unit with every parameter ``layout`` holds (those without gradients
-    too) gathered in ``compute`` (module docstring)."""
+    too) gathered in ``compute`` (module docstring); ``post_forward_ranks``: the size of the
+    groups it reshards to after forward (0: none)."""
     size = compute.itemsize
     buffer = allocator.size(layout.padded_numel * size)
     stacked = [allocator.size(math.prod(layout.gathered_shape(i)) * size) for i in range(len(layout.params))]
     wholes = [allocator.size(math.prod(p.shape) * size) for p in layout.params if p.shard_dim != 0]
-    return GatherBytes(sum(stacked) + sum(wholes), buffer=buffer, copy_out=max(wholes, default=0))
+    part = allocator.size(layout.padded_numel // post_forward_ranks * size) if post_forward_ranks else 0
+    return GatherBytes(sum(stacked) + sum(wholes), buffer=buffer, copy_out=max(wholes, default=0), post_forward=part)
 
 
 class _State(enum.Enum):
@@ -105,7 +114,7 @@ def unshard_footprints(
         out.append(UnshardFootprint(event, peak, net))
     for unit in range(len(units)):
         if schedule.request.reshards_at_end_of_backward(unit):
-            walk.run(Reshard(unit=unit))
+            walk.resharded(unit)
     return tuple(out)
 
 
@@ -117,6 +126,8 @@ class GatherWalk:
     def __init__(self, units: Sequence[GatherBytes]) -> None:
         self.units = units
         self.state = [_State.SHARDED] * len(units)
+        self.parts = [False] * len(units)
+        """Per unit: whether it holds the part a reshard to a smaller group kept."""
         self.live = 0
         self.peak = 0
 
@@ -136,6 +147,9 @@ class GatherWalk:
             return
         u = self.units[unit]
         self._add(u.buffer or u.unsharded)
+        if self.parts[unit]:  # copied into the buffer, then given back
+            self.live -= u.post_forward
+            self.parts[unit] = False
         self.state[unit] = _State.IN_FLIGHT
 
     def _finish(self, unit: int) -> None:
@@ -148,8 +162,12 @@ class GatherWalk:
         self.state[unit] = _State.UNSHARDED
 
     def resharded(self, unit: int) -> None:
-        """Freed outside the schedule (by the unit's post-backward plan)."""
+        """Freed outside the schedule (by the unit's post-backward plan, at the end of backward),
+        a part kept for a smaller group's gather too."""
         u = self.units[unit]
+        if self.parts[unit]:
+            self.live -= u.post_forward
+            self.parts[unit] = False
         if self.state[unit] is _State.IN_FLIGHT and u.buffer:  # an all-gather no one waited for: its buffer back
             self.live -= u.buffer
             self.state[unit] = _State.SHARDED
@@ -166,6 +184,13 @@ class GatherWalk:
             case AwaitGather():
                 self._finish(action.unit)
             case Reshard():
-                self.resharded(action.unit)
+                u = self.units[action.unit]
+                if u.post_forward and self.state[action.unit] is _State.UNSHARDED:
+                    self._add(u.post_forward)  # the part is made while the unsharded memory is held
+                    self.live -= u.unsharded
+                    self.state[action.unit] = _State.SHARDED
+                    self.parts[action.unit] = True
+                else:
+                    self.resharded(action.unit)
             case _:
                 assert_never(action)
