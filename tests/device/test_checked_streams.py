@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterator
 
@@ -275,19 +276,24 @@ MUTATIONS: dict[str, tuple[Callable[[], contextlib.AbstractContextManager[None]]
 }
 
 
+def _raised(mutate: Callable[[], contextlib.AbstractContextManager[None]], run: Callable[[], object]) -> str | None:
+    """The checker's message when ``run`` on the checked device, with ``mutate`` applied, makes it
+    raise; else None."""
+    with checked_streams(), mutate():
+        try:
+            run()
+        except StreamRaceError as error:
+            return str(error)
+    return None
+
+
 def run_mutations(rank: int, world: int, names: tuple[str, ...]) -> dict[str, str | None]:
     """Each mutation applied in turn to one case on the checked device: the checker's message,
     or None when it raised nothing."""
-    caught: dict[str, str | None] = {}
-    for name in names:
-        mutate, case, _ = MUTATIONS[name]
-        caught[name] = None
-        with checked_streams(), mutate():
-            try:
-                run_cases(rank, world, (case,))
-            except StreamRaceError as error:
-                caught[name] = str(error)
-    return caught
+    return {
+        name: _raised(MUTATIONS[name][0], functools.partial(run_cases, rank, world, (MUTATIONS[name][1],)))
+        for name in names
+    }
 
 
 @pytest.fixture(scope="module")
@@ -360,16 +366,13 @@ FULLY_SHARD_MUTATIONS: dict[str, tuple[Callable[[], contextlib.AbstractContextMa
 def run_fully_shard_mutations(rank: int, world: int, names: tuple[str, ...]) -> dict[str, str | None]:
     """Each ``fully_shard`` mutation of a ``world``-rank case in turn on the checked device: the
     checker's message, or None when it raised nothing."""
-    caught: dict[str, str | None] = {}
-    for name in names:
-        mutate, case, _ = FULLY_SHARD_MUTATIONS[name]
-        caught[name] = None
-        with checked_streams(), mutate():
-            try:
-                train_against_fsdp2(rank, world, case)
-            except StreamRaceError as error:
-                caught[name] = str(error)
-    return caught
+    return {
+        name: _raised(
+            FULLY_SHARD_MUTATIONS[name][0],
+            functools.partial(train_against_fsdp2, rank, world, FULLY_SHARD_MUTATIONS[name][1]),
+        )
+        for name in names
+    }
 
 
 @pytest.mark.parametrize("name", list(FULLY_SHARD_MUTATIONS))
