@@ -161,8 +161,3 @@ class GatherRunner:
         """A backward ended: its iteration's orders are what the next one is planned from."""
         if self._forward and self._backward:
             self._orders = (tuple(self._forward), tuple(self._backward))
-
-    @property
-    def verified(self) -> int:
-        """How many distinct schedules were planned and proved sound."""
-        return len(self._verified)
