@@ -97,6 +97,7 @@ from fsdp_core.unshard.schedule import (
     UnshardSchedule,
     UnshardStep,
     action_name,
+    per_param_unshard_request,
     plan_unshard,
     unshard_request,
 )
@@ -185,6 +186,7 @@ __all__ = [
     "fsdp1_predivide_factor",
     "op_name",
     "parse_member",
+    "per_param_unshard_request",
     "plan_post_backward",
     "plan_to_json",
     "plan_unshard",

@@ -43,7 +43,7 @@ from fsdp_core.memory.activation_trace import ActivationTrace, Mark
 from fsdp_core.memory.allocator import EXACT, Allocator
 from fsdp_core.memory.optimizer import OptimizedTensor, OptimizerSpec, optimizer_state_bytes, optimizer_step_bytes
 from fsdp_core.memory.plan_memory import Executor, HookFootprint, backward_memory
-from fsdp_core.memory.unshard_memory import GatherBytes, GatherWalk, gather_bytes
+from fsdp_core.memory.unshard_memory import GatherBytes, GatherWalk, gather_bytes, per_param_gather_bytes
 from fsdp_core.plan.carry import step_flags
 from fsdp_core.plan.ops import InputRole
 from fsdp_core.plan.planner import build_plan
@@ -51,7 +51,13 @@ from fsdp_core.plan.request import Plan, PlanRequest
 from fsdp_core.spec.config import BackwardPrefetch
 from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.spec.per_param import PerParamLayout
-from fsdp_core.unshard.schedule import AwaitGather, UnshardRequest, plan_unshard, unshard_request
+from fsdp_core.unshard.schedule import (
+    AwaitGather,
+    UnshardRequest,
+    per_param_unshard_request,
+    plan_unshard,
+    unshard_request,
+)
 
 __all__ = [
     "Category",
@@ -111,18 +117,58 @@ class UnitSpec:
     request: PlanRequest
     name: str = ""
     frozen: frozenset[int] = frozenset()
+    gathered: PerParamLayout | None = None
+    """A ``fully_shard`` unit: every parameter it shards and gathers, those without gradients too
+    (``frozen`` indexes these; ``request``'s layout is its reduce layout, the others). None: a
+    flat-parameter unit, whose request's layout is all of them."""
+    post_forward_ranks: int = 0
+    """A ``fully_shard`` unit that reshards to groups of this many ranks after forward
+    (``reshard_after_forward`` an int, ZeRO++'s hpZ); 0: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.request, PlanRequest):
             raise TypeError(f"request: expected a PlanRequest, got {type(self.request).__name__}")
-        n = len(self.request.layout.params)
+        if self.gathered is not None:
+            if not self.request.per_param:
+                raise ValueError("gathered: only a per-parameter unit (its request's layout a PerParamLayout) has one")
+            kept = tuple(p for i, p in enumerate(self.gathered.params) if i not in self.frozen)
+            if kept != self.request.layout.params:
+                raise ValueError("gathered: its parameters but the frozen ones must be the request's layout's")
+        elif self.request.per_param:
+            raise ValueError("gathered: a per-parameter unit needs every parameter it gathers (a PerParamLayout)")
+        n = self.num_params
         if not all(isinstance(i, int) and 0 <= i < n for i in self.frozen):
             raise ValueError(f"frozen: expected parameter indices in 0..{n - 1}, got {sorted(self.frozen)}")
+        if not isinstance(self.post_forward_ranks, int) or self.post_forward_ranks < 0:
+            raise ValueError(f"post_forward_ranks: expected an int >= 0, got {self.post_forward_ranks!r}")
+
+    @property
+    def num_params(self) -> int:
+        """How many parameters the unit has, frozen ones too."""
+        return len(self.request.layout.params if self.gathered is None else self.gathered.params)
 
     @property
     def trainable(self) -> bool:
         """Whether any of its parameters gets a gradient."""
-        return len(self.frozen) < len(self.request.layout.params)
+        return len(self.frozen) < self.num_params
+
+    def gather(self, allocator: Allocator = EXACT) -> GatherBytes:
+        """What its all-gathers hold (``fsdp_core.memory.unshard_memory``)."""
+        if self.gathered is None:
+            return gather_bytes(self.request, allocator)
+        return per_param_gather_bytes(
+            self.gathered, self.request.compute_dtype, allocator, post_forward_ranks=self.post_forward_ranks
+        )
+
+    def sharded_bytes(self, allocator: Allocator = EXACT) -> int:
+        """The bytes of this rank's shards: one flat shard, or each parameter's padded shard."""
+        r = self.request
+        if self.gathered is None:
+            return allocator.size(r.shard_numel * r.layout.dtype.itemsize)
+        g = self.gathered
+        return sum(
+            allocator.size(math.prod(g.padded_sharded_shape(i)) * g.dtype.itemsize) for i in range(len(g.params))
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,11 +194,29 @@ class ModelMemoryRequest:
     """Device bytes of the module's buffers and of what FSDP leaves alone."""
     workspace: int = 0
     """Device bytes the math libraries keep (``Workspaces.bytes``), counted in every phase."""
+    forward_reshards: tuple[bool, ...] = ()
+    """``fully_shard`` units (their specs ``gathered``): per unit, whether it reshards after
+    forward (its ``reshard_after_forward``, an int counting as True); required for them, and
+    their all-gather schedule is ``per_param_unshard_request``'s. Empty for flat-parameter units."""
+    accumulating_trace: ActivationTrace | None = None
+    """Autograd's side of a forward-backward after one inside ``no_sync``, where units that
+    restore their kept gradients (``PlanRequest.restores_pending``) have them in ``.grad`` from
+    their pre-backward hook on; None: ``trace`` for every forward-backward."""
 
     def __post_init__(self) -> None:
         specs = [u for u in self.units if u is not None]
         if not specs:
             raise ValueError("units: expected at least one unit with parameters")
+        per_param = {u.gathered is not None for u in specs}
+        if len(per_param) != 1:
+            raise ValueError("units: expected flat-parameter units or fully_shard units, not both")
+        if per_param == {True} and len(self.forward_reshards) != len(self.units):
+            raise ValueError(
+                f"forward_reshards: expected one bool per unit ({len(self.units)}) for fully_shard units, "
+                f"got {self.forward_reshards!r}"
+            )
+        if per_param == {False} and self.forward_reshards:
+            raise ValueError("forward_reshards: only fully_shard units (specs with gathered) take it")
         if not 0 <= self.root < len(self.units):
             raise ValueError(f"root: expected a unit index below {len(self.units)}, got {self.root}")
         shardings = {dataclasses.replace(u.request.sharding, rank=0) for u in specs}
@@ -174,6 +238,14 @@ class ModelMemoryRequest:
         """The all-gather schedule's request from the trace's orders, as the shell records it on its
         first forward-backward (inside ``no_sync`` when accumulating)."""
         specs = [u for u in self.units if u is not None]
+        if specs[0].gathered is not None:
+            return per_param_unshard_request(
+                units=len(self.units),
+                root=self.root,
+                forward_order=tuple(u for u in self.trace.forward_order if self.units[u] is not None),
+                backward_order=tuple(u for u in self.trace.backward_order if self.units[u] is not None),
+                forward_reshards=self.forward_reshards,
+            )
         return unshard_request(
             units=len(self.units),
             root=self.root,
@@ -205,9 +277,7 @@ def optimized_tensors(
     index)`` pairs in the optimizer's order (the index is ignored for flat shards); None: units
     in order, their parameters in order."""
     if order is None:
-        order = [
-            (u, i) for u, spec in enumerate(units) if spec is not None for i in range(len(spec.request.layout.params))
-        ]
+        order = [(u, i) for u, spec in enumerate(units) if spec is not None for i in range(spec.num_params)]
     out: list[OptimizedTensor] = []
     flat_done: set[int] = set()
     for unit, index in order:
@@ -215,6 +285,10 @@ def optimized_tensors(
         if u is None or not u.trainable:
             continue
         r = u.request
+        if u.gathered is not None:
+            if 0 <= index < len(u.gathered.params) and index not in u.frozen:
+                out.append(_local_shard(u.gathered, index, r.sharding.rank, r.grad_dtype))
+            continue
         if not r.use_orig_params:
             if unit not in flat_done:
                 flat_done.add(unit)
@@ -235,10 +309,13 @@ def per_param_optimized_tensors(
     trainable parameter's local shard (its ``DTensor``'s local tensor, without the padding: on
     its shard dimension the rows ``rank`` holds, possibly none), in layout order; ``frozen``:
     the indices of parameters without gradients, not optimized."""
-    return tuple(
-        OptimizedTensor(numel=math.prod(layout.sharded_shape(i, rank)), dtype=layout.dtype, grad_dtype=grad_dtype)
-        for i in range(len(layout.params))
-        if i not in frozen
+    return tuple(_local_shard(layout, i, rank, grad_dtype) for i in range(len(layout.params)) if i not in frozen)
+
+
+def _local_shard(layout: PerParamLayout, index: int, rank: int, grad_dtype: torch.dtype) -> OptimizedTensor:
+    """Parameter ``index``'s local shard on ``rank``, unpadded, as the optimizer steps it."""
+    return OptimizedTensor(
+        numel=math.prod(layout.sharded_shape(index, rank)), dtype=layout.dtype, grad_dtype=grad_dtype
     )
 
 
@@ -296,15 +373,13 @@ class _StepWalk:
         self.strategy = specs[0].request.sharding.strategy
         self.use_orig_params = specs[0].request.use_orig_params
         self.schedule = plan_unshard(r.unshard)
-        self.gathers = GatherWalk(
-            [GatherBytes(0) if u is None else gather_bytes(u.request, r.allocator) for u in r.units]
-        )
+        self.per_param = specs[0].gathered is not None
+        self.gather = [GatherBytes(0) if u is None else u.gather(r.allocator) for u in r.units]
+        self.gathers = GatherWalk(self.gather)
         on_device = r.executor is Executor.CPU_LANE
         self.fixed = {
             Category.PARAMS_SHARDED: sum(
-                r.allocator.size(u.request.shard_numel * u.request.layout.dtype.itemsize)
-                for u in specs
-                if on_device or not u.request.offload.offload_params
+                u.sharded_bytes(r.allocator) for u in specs if on_device or not u.request.offload.offload_params
             ),
             Category.BUFFERS: r.buffers,
             Category.WORKSPACE: r.workspace,
@@ -352,6 +427,14 @@ class _StepWalk:
         if best is None or total > best.bytes:
             self.peaks[key] = PhasePeak(phase, micro, total, at, MappingProxyType(parts))
 
+    def reshards_at_end_of_backward(self, unit: int, sync: bool) -> bool:
+        """Whether the end of this backward frees ``unit``'s unsharded parameters: a
+        ``fully_shard`` unit's own setting (the schedule's request), else the strategy's rule for
+        a synchronising backward or one inside ``no_sync``."""
+        if self.per_param:
+            return self.schedule.request.reshards_at_end_of_backward(unit)
+        return self.strategy.reshards_after_backward(sync)
+
     # -- a step ----------------------------------------------------------------------------------
 
     def step(self, *, record: bool) -> ModelMemory:
@@ -378,7 +461,10 @@ class _StepWalk:
         for unit in self.r.trace.post_backward_order:
             spec = self.specs[unit]
             assert spec is not None
-            flags = step_flags(frozenset(self.carried[unit]), sync_gradients=sync, requires_all_reduce=True)
+            roles = frozenset(self.carried[unit])
+            if spec.request.restores_pending:  # in .grad by its hook, where autograd adds into it
+                roles -= {InputRole.PENDING_UNSHARDED}
+            flags = step_flags(roles, sync_gradients=sync, requires_all_reduce=True)
             out.append(build_plan(dataclasses.replace(spec.request, flags=flags)))
         return out
 
@@ -387,14 +473,21 @@ class _StepWalk:
         hooks: Iterator[tuple[Plan, HookFootprint]] = iter(())
         returned_at_end = 0
         phase: Phase | None = None
-        for point in r.trace.points:
+        trace = r.accumulating_trace if micro > 0 and r.accumulating_trace is not None else r.trace
+        for point in trace.points:
             at = point.at
             if isinstance(at, Mark):
                 phase = {Mark.FORWARD_START: Phase.FORWARD, Mark.BACKWARD_START: Phase.BACKWARD}.get(at)
                 if at is Mark.BACKWARD_START:
                     plans = self.plans(sync)
                     backward = backward_memory(
-                        plans, r.executor, lane_issues_shard=self.lane_issues_shard, allocator=r.allocator
+                        plans,
+                        r.executor,
+                        lane_issues_shard=self.lane_issues_shard,
+                        allocator=r.allocator,
+                        unsharded=[self.gather[u].unsharded for u in r.trace.post_backward_order]
+                        if self.per_param
+                        else None,
                     )
                     hooks, returned_at_end = iter(zip(plans, backward.hooks)), backward.returned_at_end
                 self.note(phase, micro, at, self.breakdown(point.live))
@@ -406,7 +499,10 @@ class _StepWalk:
                     if event is Event.PRE_FORWARD and unit == r.root and self.zeroed:
                         self.carried = [{} for _ in self.carried]
                         self.zeroed = False
-                    own = self.specs[unit] is not None
+                    spec = self.specs[unit]
+                    own = spec is not None
+                    if event is Event.PRE_BACKWARD and spec is not None and spec.request.restores_pending:
+                        self.carried[unit].pop(InputRole.PENDING_UNSHARDED, None)  # autograd's (the trace's) now
                     peak, net = self.gathers.run_all(
                         (*self.schedule.actions(event, unit), AwaitGather(unit=unit)) if own else ()
                     )
@@ -432,10 +528,9 @@ class _StepWalk:
                     self.note(phase, micro, at, self.breakdown(after, params_unsharded=peak - net))
                 case Event.END_BACKWARD:
                     self.reduce -= returned_at_end
-                    if self.strategy.reshards_after_backward(sync):
-                        for index, spec in enumerate(self.specs):
-                            if spec is not None:
-                                self.gathers.resharded(index)
+                    for index, spec in enumerate(self.specs):
+                        if spec is not None and self.reshards_at_end_of_backward(index, sync):
+                            self.gathers.resharded(index)
                     self.note(phase, micro, at, self.breakdown(point.live))
                 case Event.END_FORWARD:
                     pass

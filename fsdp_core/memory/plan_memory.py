@@ -128,16 +128,22 @@ def plan_memory(
     lane_issues_shard: bool = False,
     lane: LaneOrder[_Held] | None = None,
     allocator: Allocator = EXACT,
+    unsharded: int | None = None,
 ) -> PlanMemory:
     """The plan's bytes op by op under ``executor``, each buffer as ``allocator`` sizes it.
     ``lane_issues_shard``: the CPU lane issues shard-group collectives too when behind.
     ``lane``: on the CPU, the lane as earlier plans of the backward left it (``backward_memory``;
     default: an empty one); the hook ops go on with it, what they return of earlier plans'
     memory counting negative. The ops after them run at the end of backward and are walked on
-    a copy, leaving ``lane`` as the next plan finds it."""
+    a copy, leaving ``lane`` as the next plan finds it. ``unsharded``: the bytes its
+    ``FreeUnshardedParam`` frees (None: ``unsharded_param_bytes``, a flat parameter's; a
+    per-parameter unit's are its gathered parameters', which its request's reduce layout does not
+    know: ``fsdp_core.memory.unshard_memory.per_param_gather_bytes``)."""
     if lane is None:
         lane = LaneOrder(lane_issues_shard=lane_issues_shard)
-    walk = _Walk(plan, executor, lane, unsharded_param_bytes(plan.request, allocator), allocator)
+    if unsharded is None:
+        unsharded = unsharded_param_bytes(plan.request, allocator)
+    walk = _Walk(plan, executor, lane, unsharded, allocator)
     hook_ops = len(plan.hook_ops)
     after_hook, hook_peak, returned_later = 0, 0, 0
     for index, op in enumerate(plan.ops):
@@ -366,21 +372,29 @@ class BackwardMemory:
 
 
 def backward_memory(
-    plans: Sequence[Plan], executor: Executor, *, lane_issues_shard: bool = False, allocator: Allocator = EXACT
+    plans: Sequence[Plan],
+    executor: Executor,
+    *,
+    lane_issues_shard: bool = False,
+    allocator: Allocator = EXACT,
+    unsharded: Sequence[int | None] | None = None,
 ) -> BackwardMemory:
     """The post-backward hooks of one backward, in the order they run, over one lane
     (``LaneOrder``) as the runtime keeps it: at a plan's start (``begin_plan``) the host waits
     for the lane work of plans more than ``PLANS_IN_FLIGHT`` back and returns what they freed.
     On a device's streams nothing carries over. The ops deferred to the end of backward
-    allocate and free nothing; there the host waits for the lane, returning what is left."""
+    allocate and free nothing; there the host waits for the lane, returning what is left.
+    ``unsharded``: per plan, ``plan_memory``'s."""
     out: list[HookFootprint] = []
     lane: LaneOrder[_Held] = LaneOrder(lane_issues_shard=lane_issues_shard)
-    for plan in plans:
+    for index, plan in enumerate(plans):
         returned, ticket = 0, 0
         if executor is Executor.CPU_LANE:
             ticket = lane.begin_plan()
             returned = sum(h.bytes for h in lane.waited_through(ticket))
-        m = plan_memory(plan, executor, lane=lane, allocator=allocator)
+        m = plan_memory(
+            plan, executor, lane=lane, allocator=allocator, unsharded=None if unsharded is None else unsharded[index]
+        )
         out.append(HookFootprint(m, returned, max(0, m.hook_peak - returned), m.after_hook - returned, ticket))
     return BackwardMemory(tuple(out), sum(h.bytes for h in lane.pending()))
 

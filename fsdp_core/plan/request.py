@@ -173,6 +173,15 @@ class PlanRequest:
         return self.reduce_dtype if self.per_param else self.compute_dtype
 
     @property
+    def restores_pending(self) -> bool:
+        """Whether the unsharded gradients kept from ``no_sync`` backwards go back into the
+        unsharded parameters' ``.grad`` before the next backward computes new ones, so autograd
+        adds into them in place and the plan finds them in its new gradient: a per-parameter unit
+        whose pending dtype is its compute dtype (``ParamGroup.restore_pending``; kept in another
+        dtype, they stay carried for the plan to add into)."""
+        return self.per_param and self.pending_dtype == self.compute_dtype
+
+    @property
     def exposes_views(self) -> bool:
         """Whether the final gradient is exposed as the original parameters' ``.grad`` views: with
         ``use_orig_params``, and for a per-parameter unit whenever it reduces (its parameters are

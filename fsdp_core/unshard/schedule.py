@@ -28,6 +28,7 @@ __all__ = [
     "UnshardSchedule",
     "UnshardStep",
     "action_name",
+    "per_param_unshard_request",
     "plan_unshard",
     "unshard_request",
 ]
@@ -466,4 +467,37 @@ def unshard_request(
         reshard_at_end_of_backward=strategy.reshards_after_backward(sync_gradients),
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
+    )
+
+
+def per_param_unshard_request(
+    *,
+    units: int,
+    root: int,
+    forward_order: tuple[int, ...],
+    backward_order: tuple[int, ...],
+    forward_reshards: tuple[bool, ...],
+    backward_reshards: tuple[bool, ...] = (),
+    backward_gathers: tuple[bool, ...] = (),
+    forward_prefetches: tuple[tuple[int, ...], ...] = (),
+    backward_prefetches: tuple[tuple[int, ...], ...] = (),
+) -> UnshardRequest:
+    """The request for one iteration of ``fully_shard`` units, as the shell runs it
+    (``fsdp_shell.fsdp2.gathers``) and the memory model predicts it: each unit's own reshard
+    settings, no implicit prefetch (only the explicit lists), every post-backward plan resharding
+    its unit unless ``backward_reshards`` says otherwise."""
+    return UnshardRequest(
+        units=units,
+        root=root,
+        forward_order=forward_order,
+        backward_order=backward_order,
+        reshard_after_forward=True,
+        plan_reshards=True,
+        reshard_at_end_of_backward=True,
+        backward_prefetch=None,
+        forward_prefetches=forward_prefetches,
+        backward_prefetches=backward_prefetches,
+        forward_reshards=forward_reshards,
+        backward_reshards=backward_reshards,
+        backward_gathers=backward_gathers,
     )

@@ -192,14 +192,27 @@ def _check_tp(name: str, param: DTensor, mesh: DeviceMesh) -> None:
 def _managed(
     modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], mesh: DeviceMesh
 ) -> tuple[list[nn.Parameter], list[list[Slot]], list[str]]:
+    """``managed_params`` for a ``fully_shard`` call, each DTensor checked for ``mesh``."""
+    params, slots, names = managed_params(modules, ignored, lambda m: state_of(m) is not None)
+    for p, name in zip(params, names):
+        if isinstance(p, DTensor):
+            _check_tp(name, p, mesh)
+    return params, slots, names
+
+
+def managed_params(
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], sharded: Callable[[nn.Module], bool]
+) -> tuple[list[nn.Parameter], list[list[Slot]], list[str]]:
     """The parameters ``fully_shard(modules)`` manages, in FSDP2's order (modules in post-order,
-    each one's own parameters), where each is registered, and its name under the given module."""
+    each one's own parameters, none under a module ``sharded`` says ``fully_shard`` was applied
+    to before), where each is registered, and its name under the given module (the prediction
+    takes a model apart with it, ``fsdp_shell.predict.model``)."""
     roots = set(map(id, modules))
     seen: set[int] = set()
     order: list[nn.Module] = []
 
     def visit(m: nn.Module) -> None:
-        if id(m) not in roots and state_of(m) is not None:
+        if id(m) not in roots and sharded(m):
             return
         seen.add(id(m))
         for child in m.children():
@@ -222,8 +235,6 @@ def _managed(
             if maybe is None or maybe in ignored:
                 continue
             p = maybe
-            if isinstance(p, DTensor) and id(p) not in index:
-                _check_tp(names_of.get(id(p), name), p, mesh)
             if id(p) not in index:
                 index[id(p)] = len(params)
                 params.append(p)
@@ -246,6 +257,26 @@ def _group(
             f"module: the parameters of one fully_shard call must share one dtype, got {sorted(map(str, dtypes))}; "
             "shard the modules of each dtype with their own call"
         )
+    layout = per_param_layout(params, names, mesh.size(mesh.ndim - 1), shard_placement_fn)
+    device = (
+        torch.device("cpu")
+        if mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    )
+    return ParamGroup(
+        params, slots, layout, unit_dtypes(params[0].dtype, mp.param_dtype, mp.reduce_dtype), mesh, device
+    )
+
+
+def per_param_layout(
+    params: list[nn.Parameter],
+    names: list[str],
+    world: int,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+) -> PerParamLayout:
+    """The layout of one ``fully_shard`` call's parameters (one dtype) over ``world`` ranks: each
+    on the dimension ``shard_placement_fn`` gives (0 where it gives None or there is none), a
+    tensor-parallel ``DTensor`` by its local tensor."""
     specs = []
     for p, name in zip(params, names):
         dim = 0
@@ -257,16 +288,7 @@ def _group(
                 dim = placement.dim % max(p.dim(), 1)
         local = p.to_local() if isinstance(p, DTensor) else p  # tensor parallelism: its local tensor
         specs.append(ShardedParam(name=name, shape=tuple(local.shape), shard_dim=dim))
-    world = mesh.size(mesh.ndim - 1)
-    layout = PerParamLayout(params=tuple(specs), dtype=params[0].dtype, world=world)
-    device = (
-        torch.device("cpu")
-        if mesh.device_type == "cpu"
-        else torch.device(mesh.device_type, torch.accelerator.current_device_index())
-    )
-    return ParamGroup(
-        params, slots, layout, unit_dtypes(params[0].dtype, mp.param_dtype, mp.reduce_dtype), mesh, device
-    )
+    return PerParamLayout(params=tuple(specs), dtype=params[0].dtype, world=world)
 
 
 def _fsdp_class(cls: type) -> type:

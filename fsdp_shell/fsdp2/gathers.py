@@ -30,6 +30,7 @@ from fsdp_core import (
     UnshardRequest,
     UnshardSchedule,
     check_unshard,
+    per_param_unshard_request,
     plan_unshard,
 )
 from fsdp_shell.fsdp2.group import ParamGroup
@@ -82,22 +83,18 @@ class GatherRunner:
         """The schedule request of the next iteration: the recorded orders and every unit's
         settings now."""
         states = self.states
-        return UnshardRequest(
+        return per_param_unshard_request(
             units=len(states),
             root=self._root,
             forward_order=self._orders[0],
             backward_order=self._orders[1],
-            reshard_after_forward=True,
-            plan_reshards=True,
-            reshard_at_end_of_backward=True,
-            backward_prefetch=None,
+            forward_reshards=tuple(s.reshards_after_forward for s in states),
+            backward_reshards=tuple(s.reshards_after_backward for s in states),
+            backward_gathers=tuple(s.gathers_for_backward for s in states),
             forward_prefetches=self._lists("set_modules_to_forward_prefetch", [s.forward_prefetches for s in states]),
             backward_prefetches=self._lists(
                 "set_modules_to_backward_prefetch", [s.backward_prefetches for s in states]
             ),
-            forward_reshards=tuple(s.reshards_after_forward for s in states),
-            backward_reshards=tuple(s.reshards_after_backward for s in states),
-            backward_gathers=tuple(s.gathers_for_backward for s in states),
         )
 
     def _lists(self, setter: str, lists: list[tuple[GatherUnit, ...]]) -> tuple[tuple[int, ...], ...]:

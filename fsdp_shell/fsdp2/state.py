@@ -43,6 +43,7 @@ from fsdp_core import (
     Event,
     InputRole,
     MixedPrecision,
+    PerParamLayout,
     Plan,
     PlanCache,
     PlanRequest,
@@ -60,7 +61,15 @@ from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.safety.timeouts import timeout_error
 from fsdp_shell.units.forward_io import tensors_in
 
-__all__ = ["FSDPState", "RootContext", "Settings", "state_of"]
+__all__ = [
+    "FSDPState",
+    "RootContext",
+    "Settings",
+    "cast_floats",
+    "per_param_request",
+    "reshards_after_forward",
+    "state_of",
+]
 
 STATE_ATTR = "_fsdp_shell_state"
 
@@ -180,8 +189,7 @@ class FSDPState:
 
     @property
     def reshards_after_forward(self) -> bool:
-        value = self.settings.reshard_after_forward
-        return (not self.is_root) if value is None else bool(value)
+        return reshards_after_forward(self.settings.reshard_after_forward, self.is_root)
 
     @property
     def reshards_after_backward(self) -> bool:
@@ -209,26 +217,64 @@ class FSDPState:
         """The plan request of this unit's post-backward with the carried ``roles``."""
         group = self.group
         assert group is not None and group.reduce_layout is not None and self.ctx is not None
-        s = self.settings
-        hybrid = self.mesh.ndim == 2
-        sharding = ShardingSpec(
-            strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD,
-            shard_size=group.layout.world,
-            replicate_size=self.mesh.size(0) if hybrid else 1,
+        return per_param_request(
+            group.reduce_layout,
+            replicate_size=self.mesh.size(0) if self.mesh.ndim == 2 else None,
             rank=group.rank,
-        )
-        caps = BackendCaps() if s.force_sum_reduction_for_comms else self.ctx.groups(self.mesh).caps
-        flags = step_flags(roles, sync_gradients=s.requires_gradient_sync, requires_all_reduce=s.requires_all_reduce)
-        return PlanRequest(
-            layout=group.reduce_layout,
-            sharding=sharding,
-            mixed_precision=MixedPrecision(param_dtype=self.mp.param_dtype, reduce_dtype=self.mp.reduce_dtype),
-            offload=CPUOffload(offload_params=self.offload),
-            division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=caps, factor=s.gradient_divide_factor),
-            flags=flags,
-            reshard_after_backward=s.reshard_after_backward,
+            mp=self.mp,
+            offload=self.offload,
+            caps=self.ctx.groups(self.mesh).caps,
+            settings=self.settings,
+            roles=roles,
             all_reduce_hook=self.all_reduce_hook is not None,
         )
+
+
+def reshards_after_forward(value: bool | int | None, is_root: bool) -> bool:
+    """Whether a unit with ``reshard_after_forward=value`` frees (or, an int, reshards to a
+    smaller group) its unsharded parameters after forward: None, every unit but the root
+    (FSDP2's default)."""
+    return (not is_root) if value is None else bool(value)
+
+
+def per_param_request(
+    reduce_layout: PerParamLayout,
+    *,
+    replicate_size: int | None,
+    rank: int,
+    mp: MixedPrecisionPolicy,
+    offload: bool,
+    caps: BackendCaps,
+    settings: Settings,
+    roles: frozenset[InputRole],
+    all_reduce_hook: bool,
+) -> PlanRequest:
+    """The post-backward plan request of a unit whose parameters that take gradients are
+    ``reduce_layout`` (sharded over its ``world``), on shard ``rank``, replicated over
+    ``replicate_size`` ranks (a 2-D mesh; None: a 1-D one), with ``caps`` the backend's (all
+    sums with ``force_sum_reduction_for_comms``), the carried ``roles``: the runtime's and the
+    prediction's (``fsdp_shell.predict.model``)."""
+    s = settings
+    hybrid = replicate_size is not None
+    sharding = ShardingSpec(
+        strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD,
+        shard_size=reduce_layout.world,
+        replicate_size=replicate_size if replicate_size is not None else 1,
+        rank=rank,
+    )
+    if s.force_sum_reduction_for_comms:
+        caps = BackendCaps()
+    flags = step_flags(roles, sync_gradients=s.requires_gradient_sync, requires_all_reduce=s.requires_all_reduce)
+    return PlanRequest(
+        layout=reduce_layout,
+        sharding=sharding,
+        mixed_precision=MixedPrecision(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype),
+        offload=CPUOffload(offload_params=offload),
+        division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=caps, factor=s.gradient_divide_factor),
+        flags=flags,
+        reshard_after_backward=s.reshard_after_backward,
+        all_reduce_hook=all_reduce_hook,
+    )
 
 
 def _to_sharded(group: ParamGroup, *args: Any, **kwargs: Any) -> None:
@@ -323,7 +369,9 @@ def lazy_init(state: FSDPState) -> RootContext:
 # -- forward --------------------------------------------------------------------------------------
 
 
-def _cast(dtype: torch.dtype | None, tree: Any) -> Any:
+def cast_floats(dtype: torch.dtype | None, tree: Any) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (None: as it is), as
+    ``MixedPrecisionPolicy`` casts a unit's forward inputs and outputs."""
     if dtype is None:
         return tree
     return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and torch.is_floating_point(x) else x, tree)
@@ -338,7 +386,7 @@ def _pre_forward(
         _begin_iteration(ctx)
         ctx.gathers.begin_iteration()
     if state.mp.cast_forward_inputs:
-        args, kwargs = _cast(state.mp.param_dtype, (args, kwargs))
+        args, kwargs = cast_floats(state.mp.param_dtype, (args, kwargs))
     with ctx.log.during(Phase.FORWARD), _waiting(state, "forward"):
         ctx.gathers.run(Event.PRE_FORWARD, state)
     group = state.group
@@ -390,7 +438,7 @@ def _post_forward(state: FSDPState, module: nn.Module, args: tuple[Any, ...], kw
         for t in tensors_in(out):
             if t.requires_grad:
                 t.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
-    return _cast(state.mp.output_dtype, out)
+    return cast_floats(state.mp.output_dtype, out)
 
 
 def _begin_iteration(ctx: RootContext) -> None:

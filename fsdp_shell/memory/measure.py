@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_shell.memory.live import LiveBytes
-from fsdp_shell.memory.workload import Config, Impl, loss_of, optimizer_of, shard_per_block, wrap
+from fsdp_shell.memory.workload import Config, Impl, loss_of, optimizer_of, shard_per_block, world_mesh, wrap
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
@@ -50,9 +50,10 @@ def train_measured(cfg: Config, impl: Impl, *, rank: int, steps: int, around: Ar
     """``cfg`` trained for ``steps`` steps on this rank, wrapped by ``impl``: bytes by ``PHASES``
     (module docstring)."""
     gc.collect()
+    per_block = impl in ("ours_fully_shard", "fsdp2")
+    mesh = world_mesh(cfg) if per_block else None
     with LiveBytes() as live:
-        per_block = impl in ("ours_fully_shard", "fsdp2")
-        model = shard_per_block(impl, cfg) if per_block else wrap(impl, cfg)
+        model = shard_per_block(impl, cfg, mesh) if per_block else wrap(impl, cfg)
         opt = optimizer_of(cfg, model.parameters())
         with contextlib.nullcontext() if around is None else around(live, model):  # type: ignore[arg-type]  # FSDP1 models only take one
             for step in range(steps):

@@ -29,6 +29,7 @@ from fsdp_shell.demo.model import Block, ModelConfig, TinyLM, lm_loss
 from fsdp_shell.fsdp import FullyShardedDataParallel
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
 __all__ = [
@@ -44,6 +45,8 @@ __all__ = [
     "loss_of",
     "model_of",
     "optimizer_of",
+    "shard_per_block",
+    "world_mesh",
     "wrap",
 ]
 
@@ -89,6 +92,9 @@ class Config:
     """Ours' ``hybrid_all_reduce`` (FSDP1 has no such argument)."""
     ranks: int | None = None
     """The world's size; None: 4 for hybrid strategies (2 x 2), else 2."""
+    reshard_after_forward: int | None = None
+    """``fully_shard`` only: every call's ``reshard_after_forward``, an int for resharding to
+    groups of that many ranks after forward (ZeRO++'s hpZ); None: as ``strategy`` says."""
 
     def __post_init__(self) -> None:
         for field, allowed in (
@@ -212,34 +218,48 @@ def optimizer_of(cfg: Config, params: Iterable[nn.Parameter]) -> torch.optim.Opt
             assert_never(cfg.optimizer)
 
 
-def shard_per_block(impl: Impl, cfg: Config) -> nn.Module:
-    """A fresh ``model_of(cfg)`` with ``fully_shard`` (ours or PyTorch's, by ``impl``) applied to
-    every block and then the root, as FSDP2 scripts do: ``SHARD_GRAD_OP`` keeps parameters
-    gathered after forward (``reshard_after_forward=False``), a hybrid strategy shards over a
-    (replicate, shard) mesh, bf16 is ``MixedPrecisionPolicy(bf16, fp32)``. ``ValueError`` for
-    what FSDP2 has no form of (``NO_SHARD``, ``use_orig_params``, offload, prefetch options)."""
+def world_mesh(cfg: Config) -> DeviceMesh:
+    """The device mesh of ``cfg``'s world on the CPU: 1-D, or (replicate, shard) for a hybrid
+    strategy. A host object whatever the device (its tensors are on the CPU), made before a
+    measurement starts counting, as the script makes it before the model."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    shape = (cfg.world,) if cfg.shard_size is None else (cfg.world // cfg.shard_size, cfg.shard_size)
+    names = ("shard",) if cfg.shard_size is None else ("replicate", "shard")
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def shard_per_block(impl: Impl, cfg: Config, mesh: DeviceMesh | None = None) -> nn.Module:
+    """A fresh ``model_of(cfg)`` with ``fully_shard`` (ours or PyTorch's, by ``impl``) applied to
+    every block and then the root, as FSDP2 scripts do, over ``mesh`` (None: ``world_mesh``'s):
+    ``SHARD_GRAD_OP`` keeps parameters gathered after forward (``reshard_after_forward=False``),
+    a hybrid strategy shards over a (replicate, shard) mesh, bf16 is
+    ``MixedPrecisionPolicy(bf16, fp32)``, offload ``CPUOffloadPolicy`` (ours only: FSDP2 pins
+    memory). ``ValueError`` for what FSDP2 has no form of (``NO_SHARD``, ``use_orig_params``,
+    prefetch options)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from fsdp_shell.fsdp2.api import fully_shard
 
-    if cfg.strategy == "NO_SHARD" or cfg.orig or cfg.offload or cfg.forward_prefetch:
+    if cfg.strategy == "NO_SHARD" or cfg.orig or cfg.forward_prefetch or (cfg.offload and impl == "fsdp2"):
         raise ValueError(f"cfg: {impl} has no form of {cfg}")
     module, block = model_of(cfg)
-    shape = (cfg.world,) if cfg.shard_size is None else (cfg.world // cfg.shard_size, cfg.shard_size)
-    names = ("shard",) if cfg.shard_size is None else ("replicate", "shard")
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if mesh is None:
+        mesh = world_mesh(cfg)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cfg.bf16
         else MixedPrecisionPolicy()
     )
-    reshard = False if cfg.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else None
+    reshard: bool | int | None = False if cfg.strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else None
+    if cfg.reshard_after_forward is not None:
+        reshard = cfg.reshard_after_forward
+    offload = CPUOffloadPolicy(pin_memory=False) if cfg.offload else OffloadPolicy()
     shard = fully_shard if impl == "ours_fully_shard" else torch_fully_shard
     for m in [m for m in module.modules() if isinstance(m, block)]:
-        shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     return module
 
 

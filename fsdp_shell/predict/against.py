@@ -15,14 +15,17 @@ from fsdp_core import CPUOffload, MixedPrecision
 from fsdp_core.memory import Phase
 from fsdp_shell.cli.launch import run_world
 from fsdp_shell.memory.measure import PHASES, measure
-from fsdp_shell.memory.workload import Config, loss_of, model_of
+from fsdp_shell.memory.workload import Config, Impl, loss_of, model_of
 from fsdp_shell.predict.model import Prediction, predict_memory
 
 __all__ = ["compare", "predict", "predicted_phases"]
 
 
-def predict(cfg: Config) -> Prediction:
-    """``cfg``'s prediction for the CPU runtime, from the model built on the meta device."""
+def predict(cfg: Config, api: str = "fsdp1") -> Prediction:
+    """``cfg``'s prediction for the CPU runtime with ``api`` (``predict_memory``'s), from the
+    model built on the meta device; with ``fully_shard`` the blocks, then the root, as
+    ``fsdp_shell.memory.workload.shard_per_block`` shards them."""
+    fully_shard = api == "fully_shard"
     with torch.device("meta"):
         module, block = model_of(cfg)
     precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else None
@@ -36,12 +39,14 @@ def predict(cfg: Config) -> Prediction:
         cpu_offload=CPUOffload(offload_params=cfg.offload),
         auto_wrap_policy={block},
         use_orig_params=cfg.orig,
-        backward_prefetch=cfg.backward_prefetch,
+        backward_prefetch=None if fully_shard else cfg.backward_prefetch,
         forward_prefetch=cfg.forward_prefetch,
         hybrid_all_reduce=cfg.hybrid_all_reduce,
         optimizer=cfg.optimizer,
         accumulate=cfg.accumulate,
         backend="gloo",
+        api=api,
+        reshard_after_forward=cfg.reshard_after_forward,
     )
 
 
@@ -53,9 +58,11 @@ def predicted_phases(prediction: Prediction, rank: int) -> dict[str, int]:
     return out
 
 
-def compare(cfg: Config, steps: int) -> list[tuple[dict[str, int], dict[str, int]]]:
-    """Per rank, (predicted, measured) bytes of each of ``PHASES``: ``cfg`` predicted, then
-    trained for ``steps`` steps with ours on a gloo world of ``cfg.world`` ranks."""
-    prediction = predict(cfg)
-    ranks = run_world(cfg.world, measure, (cfg, steps, ("ours",)), timeout=600)
-    return [(predicted_phases(prediction, rank), {k: out["ours"][k] for k in PHASES}) for rank, out in enumerate(ranks)]
+def compare(cfg: Config, steps: int, api: str = "fsdp1") -> list[tuple[dict[str, int], dict[str, int]]]:
+    """Per rank, (predicted, measured) bytes of each of ``PHASES``: ``cfg`` predicted for ``api``,
+    then trained for ``steps`` steps with ours (the FSDP1 API or ``fully_shard``) on a gloo world
+    of ``cfg.world`` ranks."""
+    prediction = predict(cfg, api)
+    impl: Impl = "ours_fully_shard" if api == "fully_shard" else "ours"
+    ranks = run_world(cfg.world, measure, (cfg, steps, (impl,)), timeout=600)
+    return [(predicted_phases(prediction, rank), {k: out[impl][k] for k in PHASES}) for rank, out in enumerate(ranks)]

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_core import BackendCaps, Division, ShardingSpec
+from fsdp_core import BackendCaps, Division, PerParamLayout, ShardingSpec
 from fsdp_core.memory import Executor
 from fsdp_core.memory.activation_trace import ActivationTrace
 from fsdp_core.memory.allocator import CUDA_CACHING, EXACT, Allocator
@@ -33,13 +34,16 @@ from fsdp_core.memory.model_memory import (
 from fsdp_core.memory.optimizer import OptimizerKind, OptimizerSpec
 from fsdp_core.memory.workspace import cuda_workspaces
 from fsdp_core.sim import CostModel, IterationTimeline, flops_compute_ms, model_of_units, simulate_iteration
+from fsdp_shell.fsdp2.api import managed_params, per_param_layout
+from fsdp_shell.fsdp2.state import Settings, per_param_request, reshards_after_forward
 from fsdp_shell.options import Options, parse_options
-from fsdp_shell.predict.trace import StepFn, TraceUnit, record_trace
+from fsdp_shell.predict.trace import PerParamTraceUnit, StepFn, TraceUnit, record_trace, record_trace_per_param
 from fsdp_shell.units.build import OwnedParams, UnitSite, find_units, param_names, unit_params, unit_request
 
 __all__ = ["Prediction", "StepTime", "predict_memory", "predict_time"]
 
 BACKENDS = ("nccl", "gloo")
+APIS = ("fsdp1", "fully_shard")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,8 @@ def predict_memory(
     accumulate: int = 1,
     backend: str = "nccl",
     workspace: int | None = None,
+    api: str = "fsdp1",
+    reshard_after_forward: bool | int | None = None,
 ) -> Prediction:
     """Every shard rank's bytes by phase for training ``module`` with these arguments (FSDP's
     constructor's, meaning the same) on ``world_size`` ranks, no process group made: each step
@@ -95,7 +101,18 @@ def predict_memory(
     bytes the GPU's math libraries keep (``Category.WORKSPACE``); None: torch's defaults
     (``cuda_workspaces``) for this machine's GPU, or for an H100/H200 where there is none, under
     this environment; none with ``backend="gloo"``. ``ValueError`` / ``TypeError`` naming a bad
-    argument."""
+    argument.
+
+    ``api="fully_shard"``: ``fully_shard`` applied to every module the policy wraps, then to
+    ``module``, as FSDP2 scripts do (``_predict_fully_shard``): the strategy picks the mesh (a
+    hybrid one: (replicate, shard) with ``shard_size``) and whether blocks reshard after forward
+    (the ZeRO-2 ones: not), ``reshard_after_forward`` (every call's, an int for hpZ) overriding
+    it; ``mixed_precision`` gives ``MixedPrecisionPolicy``'s ``param_dtype`` and
+    ``reduce_dtype``, ``cpu_offload`` ``CPUOffloadPolicy``. ``NO_SHARD``, ``use_orig_params``,
+    ``forward_prefetch``, a ``backward_prefetch`` (``fully_shard`` has none implicit) and
+    ``hybrid_all_reduce`` are refused by name."""
+    if api not in APIS:
+        raise ValueError(f"api: expected one of {', '.join(APIS)}, got {api!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if workspace is not None and (not isinstance(workspace, int) or isinstance(workspace, bool) or workspace < 0):
@@ -114,6 +131,27 @@ def predict_memory(
         division_policy="pre_post",
         hybrid_all_reduce=hybrid_all_reduce,
     )
+    if api == "fully_shard":
+        return _predict_fully_shard(
+            module,
+            step,
+            options,
+            kind=kind,
+            world_size=world_size,
+            shard_size=shard_size,
+            reshard_after_forward=reshard_after_forward,
+            accumulate=accumulate,
+            backend=backend,
+            workspace=workspace,
+            refused={
+                "use_orig_params": use_orig_params is not False,
+                "forward_prefetch": forward_prefetch is not False,
+                "backward_prefetch": backward_prefetch not in ("BACKWARD_PRE", None),
+                "hybrid_all_reduce": hybrid_all_reduce != "async",
+            },
+        )
+    if reshard_after_forward is not None:
+        raise ValueError("reshard_after_forward: only api='fully_shard' takes it; FSDP1's strategy decides")
     sharding = ShardingSpec.for_world(options.strategy, world_size, shard_size)
     division = Division(policy=options.division_policy, backend=BackendCaps.for_backend(backend))
     gloo = backend == "gloo"
@@ -276,4 +314,154 @@ def predict_time(
         accumulate=accumulate,
         flops_per_second=flops_per_second,
         cost=cost,
+    )
+
+
+def _predict_fully_shard(
+    module: nn.Module,
+    step: StepFn,
+    options: Options,
+    *,
+    kind: OptimizerKind,
+    world_size: int,
+    shard_size: int | None,
+    reshard_after_forward: bool | int | None,
+    accumulate: int,
+    backend: str,
+    workspace: int | None,
+    refused: dict[str, bool],
+) -> Prediction:
+    """``predict_memory`` of ``api="fully_shard"`` (its docstring)."""
+    for name, given in refused.items():
+        if given:
+            raise ValueError(f"{name}: fully_shard has no such option; leave it at its default with api='fully_shard'")
+    strategy = options.strategy
+    if not strategy.is_sharded:
+        raise ValueError("sharding_strategy: NO_SHARD has no fully_shard form; use FULL_SHARD or HYBRID_SHARD")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(f"reshard_after_forward: expected None, a bool or an int, got {reshard_after_forward!r}")
+    sharding = ShardingSpec.for_world(strategy, world_size, shard_size)
+    world = sharding.shard_size
+    value: bool | int | None = reshard_after_forward
+    if value is None and not strategy.reshards_after_forward:
+        value = False
+    post_forward = 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1 or world % value:
+            raise ValueError(
+                f"reshard_after_forward: expected a bool or a factor of the shard group's size ({world}), got {value}"
+            )
+        value = {1: False, world: True}.get(value, value)
+        post_forward = 0 if isinstance(value, bool) else value
+    gloo = backend == "gloo"
+    allocator: Allocator = EXACT if gloo else CUDA_CACHING
+    if workspace is None:
+        workspace = 0 if gloo else cuda_workspaces(_capability(), os.environ).bytes
+    mp = MixedPrecisionPolicy(
+        param_dtype=options.mixed_precision.param_dtype, reduce_dtype=options.mixed_precision.reduce_dtype
+    )
+    settings = Settings(reshard_after_forward=value)
+    caps = BackendCaps.for_backend(backend)
+    replicate = sharding.replicate_size if strategy.is_hybrid else None
+
+    sites = find_units(module, options.wrap, lambda m: False)
+    position = {id(m): i for i, m in enumerate(module.modules())}
+    blocks = sorted((site.module for site in sites[:-1]), key=lambda m: position[id(m)])
+    done: set[int] = set()
+    units: list[UnitSpec | None] = []
+    trace_units: list[PerParamTraceUnit] = []
+    where: dict[int, tuple[int, int]] = {}
+    path_of = {id(m): name for name, m in module.named_modules()}
+    for index, m in enumerate([*blocks, module]):
+        params, slots, names = managed_params((m,), set(), lambda x: id(x) in done)
+        done.add(id(m))
+        for i, p in enumerate(params):
+            where[id(p)] = (index, i)
+        if not params:
+            units.append(None)
+            trace_units.append(PerParamTraceUnit(m, [], [], [], torch.float32))
+            continue
+        if len({p.dtype for p in params}) != 1:
+            raise ValueError(f"module: the parameters under {path_of[id(m)] or 'the root'} must share one dtype")
+        layout = per_param_layout(params, names, world)
+        trainable = [p.requires_grad for p in params]
+        if not any(trainable):
+            raise ValueError(
+                f"module: every parameter under {path_of[id(m)] or 'the root'} is frozen; the prediction of "
+                "api='fully_shard' needs units that take gradients"
+            )
+        reduce_layout = PerParamLayout(
+            params=tuple(spec for spec, t in zip(layout.params, trainable) if t), dtype=layout.dtype, world=world
+        )
+        request = per_param_request(
+            reduce_layout,
+            replicate_size=replicate,
+            rank=0,
+            mp=mp,
+            offload=options.offload.offload_params,
+            caps=caps,
+            settings=settings,
+            roles=frozenset(),
+            all_reduce_hook=False,
+        )
+        frozen = frozenset(i for i, t in enumerate(trainable) if not t)
+        units.append(
+            UnitSpec(
+                request=request,
+                name=path_of[id(m)],
+                frozen=frozen,
+                gathered=layout,
+                post_forward_ranks=post_forward if m is not module else 0,
+            )
+        )
+        trace_units.append(
+            PerParamTraceUnit(
+                m,
+                [list(s) for s in slots],
+                [spec.shape for spec in layout.params],
+                trainable,
+                request.compute_dtype,
+                restores=request.restores_pending,
+            )
+        )
+    root = len(units) - 1
+    forward_reshards = tuple(reshards_after_forward(value, index == root) for index in range(len(units)))
+    trace = record_trace_per_param(module, trace_units, step, param_dtype=mp.param_dtype, block=allocator.block)
+    accumulating = None
+    if accumulate > 1 and any(t.restores for t in trace_units):
+        accumulating = record_trace_per_param(
+            module, trace_units, step, param_dtype=mp.param_dtype, accumulating=True, block=allocator.block
+        )
+    order = tuple(where[id(p)] for p in module.parameters() if id(p) in where)
+    spec = OptimizerSpec(kind=kind, foreach=not gloo)
+    ranks = tuple(
+        model_memory(
+            ModelMemoryRequest(
+                units=for_rank(units, rank),
+                root=root,
+                trace=trace,
+                optimizer=spec,
+                optimizer_order=order,
+                accumulate=accumulate,
+                backward_prefetch=None,
+                executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
+                allocator=allocator,
+                buffers=_buffer_bytes(module, None, allocator),
+                workspace=workspace,
+                forward_reshards=forward_reshards,
+                accumulating_trace=accumulating,
+            )
+        )
+        for rank in range(sharding.num_shards)
+    )
+    return Prediction(
+        units=tuple(units),
+        paths=tuple(path_of[id(m)] for m in [*blocks, module]),
+        trace=trace,
+        ranks=ranks,
+        options=options,
+        world_size=world_size,
+        backend=backend,
+        optimizer=spec,
+        accumulate=accumulate,
     )

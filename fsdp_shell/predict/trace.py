@@ -30,12 +30,13 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from fsdp_core import Event, FlatParamLayout, HookEvent, MixedPrecision, PlanRequest
 from fsdp_core.memory.activation_trace import ActivationTrace, Mark, TracePoint
+from fsdp_shell.fsdp2.state import cast_floats
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.memory.live import Window
 from fsdp_shell.units.flat_param import OrigParam, split_views
 from fsdp_shell.units.forward_io import cast_inputs, tensors_in
 
-__all__ = ["StepFn", "TraceUnit", "record_trace", "time_trace"]
+__all__ = ["PerParamTraceUnit", "StepFn", "TraceUnit", "record_trace", "record_trace_per_param", "time_trace"]
 
 StepFn = Callable[[nn.Module], torch.Tensor]
 """One forward of a training step: makes its inputs, runs the model, returns the loss."""
@@ -60,8 +61,12 @@ class _Points:
         self.backward_started = False
         self.unsharded_for_backward: set[int] = set()
 
-    def point(self, at: HookEvent | Mark, taken: torch.Tensor | None = None) -> None:
-        """``at`` happens now; ``taken``: the gradient a post-backward hook takes, freed here."""
+    def point(
+        self, at: HookEvent | Mark, taken: Sequence[torch.Tensor] = (), arrived: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """``at`` happens now; ``taken``: the gradients a post-backward hook takes, freed here;
+        ``arrived``: tensors made outside the step that autograd holds from here on (gradients
+        kept from ``no_sync`` put back into ``.grad``), counted from here."""
         raise NotImplementedError
 
     def pre_backward(self, index: int, has_params: bool, grad: torch.Tensor) -> torch.Tensor:
@@ -89,9 +94,11 @@ class _Clock(_Points):
         self.at: list[HookEvent | Mark] = []
         self.times: list[float] = []
 
-    def point(self, at: HookEvent | Mark, taken: torch.Tensor | None = None) -> None:
-        if taken is not None:
-            taken.untyped_storage().resize_(0)
+    def point(
+        self, at: HookEvent | Mark, taken: Sequence[torch.Tensor] = (), arrived: Sequence[torch.Tensor] = ()
+    ) -> None:
+        for t in taken:
+            t.untyped_storage().resize_(0)
         self.at.append(at)
         self.times.append(time.perf_counter())
 
@@ -109,16 +116,18 @@ class _Recorder(_Points):
         self.flops: list[int] = []
         self.window: Window | None = None
 
-    def point(self, at: HookEvent | Mark, taken: torch.Tensor | None = None) -> None:
+    def point(
+        self, at: HookEvent | Mark, taken: Sequence[torch.Tensor] = (), arrived: Sequence[torch.Tensor] = ()
+    ) -> None:
         if self.window is not None:
             self.live.close_window(self.window)
             self.peaks.append(self.window.peak)
             self.flops.append(self._flops_since())
-        nbytes = 0
-        if taken is not None:
-            before = self.live.current
-            taken.untyped_storage().resize_(0)
-            nbytes = before - self.live.current
+        self.live.track(arrived)
+        before = self.live.current
+        for t in taken:
+            t.untyped_storage().resize_(0)
+        nbytes = before - self.live.current
         self.points.append((at, self.live.current + nbytes, nbytes))
         self.window = self.live.open_window()
 
@@ -329,7 +338,7 @@ def _hooked(
 
     def post_backward(param: torch.Tensor) -> None:
         grad, param.grad = param.grad, None
-        rec.point(HookEvent(Event.POST_BACKWARD, index), taken=grad)
+        rec.point(HookEvent(Event.POST_BACKWARD, index), taken=() if grad is None else (grad,))
 
     handles = [
         unit.module.register_forward_pre_hook(before, with_kwargs=True),
@@ -337,6 +346,206 @@ def _hooked(
     ]
     if flat is not None and flat.requires_grad:
         handles.append(flat.register_post_accumulate_grad_hook(post_backward))  # type: ignore[no-untyped-call]  # unannotated in torch
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# -- fully_shard's units ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PerParamTraceUnit:
+    """One ``fully_shard`` unit as the trace runs it: its module, and per parameter it manages
+    (none: the unit has none) where it is registered, its shape and whether it takes gradients;
+    ``compute``: the dtype its unsharded parameters are gathered in; ``restores``: whether its
+    gradients kept from a ``no_sync`` backward go back into ``.grad`` at its pre-backward
+    (``PlanRequest.restores_pending``)."""
+
+    module: nn.Module
+    slots: list[list[tuple[nn.Module, str]]]
+    shapes: list[tuple[int, ...]]
+    trainable: list[bool]
+    compute: torch.dtype
+    restores: bool = False
+
+
+def record_trace_per_param(
+    module: nn.Module,
+    units: Sequence[PerParamTraceUnit],
+    step: StepFn,
+    *,
+    param_dtype: torch.dtype | None,
+    accumulating: bool = False,
+    block: int = 1,
+) -> ActivationTrace:
+    """Autograd's bytes through one forward and backward of ``module`` with ``fully_shard``'s
+    hooks (``fsdp_shell.fsdp2.state``), as ``record_trace`` records the FSDP1 API's: each unit's
+    unsharded parameters are ``nn.Parameter``s of their own in the compute dtype, registered in
+    their modules; every unit casts its floating-point inputs to ``param_dtype`` (when given); a
+    unit's post-backward takes its parameters' gradients once all of them have arrived and its
+    forward inputs' gradients are computed, and the end of backward takes those of units where
+    only some arrived (last unit first, the root last). ``accumulating``: a forward-backward
+    after one inside ``no_sync``, where units that restore (``PerParamTraceUnit.restores``) find
+    their kept gradients in ``.grad`` from their pre-backward hook on. Buffers stay as they are
+    (``fully_shard`` casts none). ``units`` by unit index, the root last."""
+    if units[len(units) - 1].module is not module:
+        raise ValueError("units: the last unit must be the root module")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with contextlib.ExitStack() as undo:
+        undo.enter_context(_cpu_buffers(module, fake, None))
+        params = undo.enter_context(_unsharded_params(units, fake))
+        kept: dict[int, list[torch.Tensor]] = {}
+        if accumulating:
+            with fake:
+                for index, unit in enumerate(units):
+                    if unit.restores:
+                        kept[index] = [torch.zeros(p.shape, dtype=p.dtype) for p in params[index] if p.requires_grad]
+        with (
+            fake,
+            LiveBytes("meta", block=block) as live,
+            FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops,
+        ):
+            live.ignore([*(p for ps in params.values() for p in ps), *module.buffers()])
+            rec = _PerParamRecorder(live, flops, params, kept)
+            for index, unit in enumerate(units):
+                undo.enter_context(_hooked_per_param(unit, index, index == len(units) - 1, rec, param_dtype))
+            _run_step(module, step, rec)
+            return rec.trace()
+
+
+class _PerParamRecorder(_Recorder):
+    """``_Recorder`` with ``fully_shard``'s post-backward: when every trainable parameter's
+    gradient has arrived and no forward input's gradient is still to come
+    (``fsdp_shell.fsdp2.state._maybe_reduce``)."""
+
+    def __init__(
+        self,
+        live: LiveBytes,
+        flops: FlopCounterMode,
+        params: dict[int, list[nn.Parameter]],
+        kept: dict[int, list[torch.Tensor]],
+    ) -> None:
+        super().__init__(live, flops)
+        self.params = params
+        self.kept = kept
+        self.arrived: dict[int, int] = {}
+        self.inputs_pending: dict[int, int] = {}
+        self.reduced: set[int] = set()
+
+    def pre_backward(self, index: int, has_params: bool, grad: torch.Tensor) -> torch.Tensor:
+        if not self.backward_started:
+            self.backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        if has_params and index not in self.unsharded_for_backward:
+            self.unsharded_for_backward.add(index)
+            restored = self.kept.pop(index, [])
+            for p, g in zip([p for p in self.params[index] if p.requires_grad], restored):
+                p.grad = g
+            self.point(HookEvent(Event.PRE_BACKWARD, index), arrived=restored)
+        return grad
+
+    def grad_arrived(self, index: int) -> None:
+        self.arrived[index] = self.arrived.get(index, 0) + 1
+        self.maybe_reduce(index)
+
+    def input_done(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        self.inputs_pending[index] = self.inputs_pending.get(index, 0) - 1
+        self.maybe_reduce(index)
+        return grad
+
+    def maybe_reduce(self, index: int) -> None:
+        trainable = [p for p in self.params[index] if p.requires_grad]
+        if self.arrived.get(index, 0) == len(trainable) and self.inputs_pending.get(index, 0) <= 0:
+            self.reduce(index)
+
+    def reduce(self, index: int) -> None:
+        if index in self.reduced:
+            return
+        self.reduced.add(index)
+        grads = []
+        for p in self.params[index]:
+            if p.grad is not None:
+                grads.append(p.grad)
+                p.grad = None
+        self.point(HookEvent(Event.POST_BACKWARD, index), taken=grads)
+
+    def end_backward(self) -> None:
+        for index in sorted(self.params, reverse=True):
+            if any(p.grad is not None for p in self.params[index]):
+                self.reduce(index)
+        super().end_backward()
+        self.arrived.clear()
+        self.inputs_pending.clear()
+        self.reduced.clear()
+
+
+@contextlib.contextmanager
+def _unsharded_params(
+    units: Sequence[PerParamTraceUnit], making: contextlib.AbstractContextManager[object]
+) -> Iterator[dict[int, list[nn.Parameter]]]:
+    """Each unit's unsharded parameters made under ``making`` in the compute dtype, small random
+    values, registered where the originals are for the block."""
+    params: dict[int, list[nn.Parameter]] = {}
+    saved: list[tuple[nn.Module, str, nn.Parameter | None]] = []
+    for index, unit in enumerate(units):
+        if not unit.shapes:
+            continue
+        made = []
+        for slots, shape, trainable in zip(unit.slots, unit.shapes, unit.trainable, strict=True):
+            with making:
+                p = nn.Parameter(torch.randn(shape, dtype=unit.compute) * 0.02, requires_grad=trainable)
+            made.append(p)
+            for m, attr in slots:
+                saved.append((m, attr, m._parameters[attr]))
+                m._parameters[attr] = p
+        params[index] = made
+    try:
+        yield params
+    finally:
+        for m, attr, param in reversed(saved):
+            m._parameters[attr] = param
+
+
+@contextlib.contextmanager
+def _hooked_per_param(
+    unit: PerParamTraceUnit, index: int, is_root: bool, rec: _PerParamRecorder, param_dtype: torch.dtype | None
+) -> Iterator[None]:
+    """``fully_shard``'s hooks on ``unit`` for the block (``fsdp_shell.fsdp2.state``), recording
+    instead of gathering and reducing."""
+    params = rec.params.get(index, [])
+
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if params or is_root:
+            rec.point(HookEvent(Event.PRE_FORWARD, index))
+        args, kwargs = cast_floats(param_dtype, (args, kwargs))
+        if params and torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            hooked = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+            rec.inputs_pending[index] = rec.inputs_pending.get(index, 0) + len(hooked)
+            for t in hooked:
+                t.register_hook(functools.partial(rec.input_done, index))  # type: ignore[no-untyped-call]  # unannotated in torch
+        return args, kwargs
+
+    def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        if is_root:
+            rec.point(HookEvent(Event.END_FORWARD, -1))
+        if params:
+            rec.point(HookEvent(Event.POST_FORWARD, index))
+            if torch.is_grad_enabled():
+                for t in tensors_in(out):
+                    if t.requires_grad:
+                        t.register_hook(functools.partial(rec.pre_backward, index, True))  # type: ignore[no-untyped-call]  # unannotated in torch
+        return out
+
+    handles = [
+        unit.module.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+        unit.module.register_forward_hook(after, with_kwargs=True),
+    ]
+    for p in params:
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda _p: rec.grad_arrived(index)))  # type: ignore[no-untyped-call]  # unannotated in torch
     try:
         yield
     finally:
