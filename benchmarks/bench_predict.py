@@ -10,6 +10,10 @@ tensor-storage bytes from the model's construction on, the peak of each phase ov
 ``fsdp_shell.predict.against.compare`` gives the two side by side.
 Printed per configuration, for the worst rank: predicted / measured peak of forward, backward
 and the optimizer step, and the bytes left after the last step; then the largest error.
+
+``CONFIGS`` train with this library's FSDP1 API, ``FULLY_SHARD_CONFIGS`` (names starting
+``fully_shard:``) with its ``fully_shard`` applied to every block and then the root
+(``predict_memory(..., api="fully_shard")``; ``fsdp_shell.memory.workload.shard_per_block``).
 """
 
 from __future__ import annotations
@@ -64,26 +68,63 @@ CONFIGS: dict[str, Config] = {
 }
 
 
+FULLY_SHARD_CONFIGS: dict[str, Config] = {
+    f"fully_shard:{name}": cfg
+    for name, cfg in {
+        "mlp": Config("FULL_SHARD"),
+        "mlp-bf16": Config("FULL_SHARD", bf16=True),
+        "mlp-no_sync": Config("FULL_SHARD", accumulate=2),
+        "mlp-bf16-no_sync": Config("FULL_SHARD", bf16=True, accumulate=2),
+        "mlp-no_reshard": Config("SHARD_GRAD_OP"),
+        "mlp-no_reshard-bf16-no_sync3": Config("SHARD_GRAD_OP", bf16=True, accumulate=3),
+        "mlp-hsdp": Config("HYBRID_SHARD"),
+        "mlp-hsdp-bf16-no_sync": Config("HYBRID_SHARD", bf16=True, accumulate=2),
+        "mlp-hsdp-no_reshard-bf16": Config("HYBRID_SHARD_ZERO2", bf16=True),
+        "mlp-hpz2": Config("FULL_SHARD", ranks=4, reshard_after_forward=2),
+        "mlp-hpz2-bf16-no_sync": Config("FULL_SHARD", ranks=4, reshard_after_forward=2, bf16=True, accumulate=2),
+        "mlp-offload": Config("FULL_SHARD", offload=True),
+        "mlp-sgd": Config("FULL_SHARD", optimizer="sgd"),
+        "mlp-sgd_momentum": Config("FULL_SHARD", optimizer="sgd_momentum"),
+        "mlp-adam": Config("FULL_SHARD", optimizer="adam"),
+        "mlp-3ranks": Config("FULL_SHARD", ranks=3),
+        "demo": Config("FULL_SHARD", model="demo"),
+        "demo-bf16": Config("FULL_SHARD", model="demo", bf16=True),
+        "demo-hsdp-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),
+        "gpt2": Config("FULL_SHARD", model="gpt2"),
+        "gpt2-bf16": Config("FULL_SHARD", model="gpt2", bf16=True),
+        "gpt2-no_reshard-bf16-no_sync": Config("SHARD_GRAD_OP", model="gpt2", bf16=True, accumulate=2),
+        "gpt2-3ranks": Config("FULL_SHARD", model="gpt2", ranks=3),
+        "llama-bf16": Config("FULL_SHARD", model="llama", bf16=True),
+        "llama-hsdp-no_reshard-sgd_momentum": Config("HYBRID_SHARD_ZERO2", model="llama", optimizer="sgd_momentum"),
+        "llama-3ranks": Config("FULL_SHARD", model="llama", ranks=3),
+    }.items()
+}
+"""``fully_shard``'s: the strategy's name picks the mesh and whether blocks reshard after forward
+(``no_reshard``: ``reshard_after_forward=False``), ``hpz2``: ``reshard_after_forward=2``."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
+    known = {**CONFIGS, **FULLY_SHARD_CONFIGS}
+    parser.add_argument("--configs", default=",".join(known), help="comma-separated names")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
-    print(f"{'configuration':<46} " + " ".join(f"{p:>21}" for p in PHASES))
-    print(f"{'':<46} " + " ".join(f"{'predicted / measured':>21}" for _ in PHASES))
+        parser.error(f"--configs: unknown {unknown}; known: {', '.join(known)}")
+    print(f"{'configuration':<50} " + " ".join(f"{p:>21}" for p in PHASES))
+    print(f"{'':<50} " + " ".join(f"{'predicted / measured':>21}" for _ in PHASES))
     worst = 0.0
     for name in names:
-        rows = compare(CONFIGS[name], args.steps)
+        api = "fully_shard" if name in FULLY_SHARD_CONFIGS else "fsdp1"
+        rows = compare(known[name], args.steps, api)
         rank = max(range(len(rows)), key=lambda r: rows[r][1]["backward"])
         predicted, measured = rows[rank]
         errors = [abs(p[k] / m[k] - 1) for p, m in rows for k in PHASES]
         worst = max(worst, *errors)
         cells = " ".join(f"{predicted[k]:>10,}/{measured[k]:<10,}" for k in PHASES)
-        print(f"{name:<46} {cells}  max err {max(errors):.2%}", flush=True)
+        print(f"{name:<50} {cells}  max err {max(errors):.2%}", flush=True)
     print(f"largest error over every rank and phase: {worst:.3%}")
 
 

@@ -30,7 +30,7 @@ from fsdp_core.sim.costs import CostModel
 from fsdp_core.sim.links import Link
 from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy, StepFlags
 from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
-from fsdp_core.unshard.schedule import UnshardRequest, unshard_request
+from fsdp_core.unshard.schedule import UnshardRequest, per_param_unshard_request, unshard_request
 
 __all__ = [
     "Activity",
@@ -386,6 +386,7 @@ def model_of_units(
     executor: Executor = Executor.STREAMS,
     event_check: bool = True,
     event_check_ms: float | None = None,
+    forward_reshards: tuple[bool, ...] = (),
 ) -> IterationModel:
     """The iteration of a model's real units (``fsdp_core.memory.UnitSpec``, as the wrapper
     builds them): each unit's post-backward plan (inside ``no_sync()`` when not ``sync``: no
@@ -401,22 +402,34 @@ def model_of_units(
     ones) every unit starts gathered (``IterationModel.gathered_at_start``): no all-gathers.
     ``event_check``: the backward ends with the shell's event check (``IterationModel.event_check``),
     as every backward the shell runs does, ``no_sync()`` ones included, costing ``event_check_ms``
-    when given."""
+    when given. ``forward_reshards``: ``fully_shard`` units (``ModelMemoryRequest``'s), whose
+    all-gathers are ``per_param_unshard_request``'s."""
     if len(compute_ms) != len(units):
         raise ValueError(f"compute_ms: expected one (forward, backward) per unit ({len(units)}), got {len(compute_ms)}")
     specs = [u for u in units if u is not None]
     strategy = specs[0].request.sharding.strategy
-    unshard = unshard_request(
-        units=len(units),
-        root=root,
-        forward_order=tuple(u for u in trace.forward_order if units[u] is not None),
-        backward_order=tuple(u for u in trace.backward_order if units[u] is not None),
-        strategy=strategy,
-        low_precision=any(u.request.compute_dtype != u.request.layout.dtype for u in specs),
-        sync_gradients=sync,
-        backward_prefetch=backward_prefetch,
-        forward_prefetch=forward_prefetch,
-    )
+    forward_order = tuple(u for u in trace.forward_order if units[u] is not None)
+    backward_order = tuple(u for u in trace.backward_order if units[u] is not None)
+    if forward_reshards:
+        unshard = per_param_unshard_request(
+            units=len(units),
+            root=root,
+            forward_order=forward_order,
+            backward_order=backward_order,
+            forward_reshards=forward_reshards,
+        )
+    else:
+        unshard = unshard_request(
+            units=len(units),
+            root=root,
+            forward_order=forward_order,
+            backward_order=backward_order,
+            strategy=strategy,
+            low_precision=any(u.request.compute_dtype != u.request.layout.dtype for u in specs),
+            sync_gradients=sync,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+        )
     costs = tuple(
         UnitCosts(
             name=(u.name if u is not None and u.name else f"unit {index}") if index != root else "root",

@@ -260,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-accum", type=_positive, default=1, help="backwards per step; all but the last in no_sync()"
     )
     model.add_argument(
+        "--reshard-after-forward",
+        type=_reshard_after_forward,
+        default=None,
+        metavar="true|false|N",
+        help="--api fully_shard: every call's reshard_after_forward (default: as --strategy says; N: reshard to "
+        "groups of N ranks after forward, ZeRO++'s hpZ)",
+    )
+    model.add_argument(
         "--tflops", type=_positive_float, default=100.0, help="step time: sustained TFLOP/s per device (default 100)"
     )
     model.add_argument("--ranks-per-node", type=_positive, default=8, help="step time: ranks per node (default 8)")
@@ -270,6 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--inter-node-gbps", type=_positive_float, default=25.0, help="step time: GB/s per rank across nodes"
     )
     return p
+
+
+def _reshard_after_forward(text: str) -> bool | int:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected true, false or a positive int, got {text!r}") from None
 
 
 def _positive_float(text: str) -> float:
@@ -432,6 +450,7 @@ def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel
         input_shape=args.input_shape,
         wrap=[w.strip() for w in str(args.wrap).split(",") if w.strip()],
     )
+    fully_shard = args.api == "fully_shard"
     mp = MixedPrecision(
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
@@ -447,12 +466,14 @@ def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel
         cpu_offload=CPUOffload(offload_params=args.offload),
         auto_wrap_policy=set(loaded.wrap) or None,
         use_orig_params=args.use_orig_params,
-        backward_prefetch=parse_backward_prefetch(str(args.backward_prefetch)),
+        backward_prefetch=None if fully_shard else parse_backward_prefetch(str(args.backward_prefetch)),
         forward_prefetch=args.forward_prefetch,
         hybrid_all_reduce=str(args.hybrid_all_reduce),
         optimizer=str(args.optimizer),
         accumulate=args.grad_accum,
         backend=str(args.backend),
+        api=str(args.api),
+        reshard_after_forward=args.reshard_after_forward,
     )
     return prediction, loaded
 

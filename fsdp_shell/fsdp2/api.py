@@ -24,7 +24,15 @@ from fsdp_core import PerParamLayout, ShardedParam, unit_dtypes
 from fsdp_shell.fsdp2.group import ParamGroup, Slot
 from fsdp_shell.fsdp2.state import FSDPState, lazy_init, state_of
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "managed_params",
+    "per_param_layout",
+    "post_forward_mesh",
+    "register_fsdp_forward_method",
+]
 
 _CLASSES: dict[type, type] = {}
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
@@ -103,10 +111,10 @@ def fully_shard(
     group = None
     if params:
         group = _group(params, slots, names, mesh, shard_placement_fn, mp_policy)
-    post_forward_mesh = None
+    small = None
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        post_forward_mesh = _post_forward_mesh(mesh, reshard_after_forward)
-    state = FSDPState(modules, group, mesh, mp_policy, offload=offload, post_forward_mesh=post_forward_mesh)
+        small = post_forward_mesh(mesh, reshard_after_forward)
+    state = FSDPState(modules, group, mesh, mp_policy, offload=offload, post_forward_mesh=small)
     state.change(reshard_after_forward=reshard_after_forward)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))
@@ -144,7 +152,7 @@ def _reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int | None
     return False if value == 1 else True if value == size else value
 
 
-def _post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
+def post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
     """The 1-D mesh of this rank's group of ``size`` consecutive ranks of its shard group (FSDP2's
     post-forward mesh, ``mesh.mesh.view(-1, size)``), one per mesh and size while the default
     process group lives (making one is collective: every rank calls ``fully_shard`` alike)."""

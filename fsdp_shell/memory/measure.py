@@ -7,6 +7,11 @@ step a phase of its own; it returns the peak of each of ``PHASES`` over all step
 still live after the last (``"after"``). ``measure`` is the same for several implementations in
 turn, as ``fsdp_shell.cli.launch.run_world`` calls it on every rank.
 
+Device meshes are made before the count starts and their rank tensors are never counted (the
+world's, and the smaller groups' ``reshard_after_forward`` an int reshards to, which
+``fully_shard`` takes from its cache): host objects of a few integers, on the CPU whatever the
+device, so never device memory, and on gloo not FSDP's training memory either.
+
 ``around``, given the counter and the wrapped model, makes a context that the training steps
 run inside: a caller's further measurements of the same run (the memory tests measure every
 post-backward hook against its prediction that way).
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fsdp_shell.fsdp2.api import post_forward_mesh
 from fsdp_shell.memory.live import LiveBytes
 from fsdp_shell.memory.workload import Config, Impl, loss_of, optimizer_of, shard_per_block, world_mesh, wrap
 
@@ -52,7 +58,11 @@ def train_measured(cfg: Config, impl: Impl, *, rank: int, steps: int, around: Ar
     gc.collect()
     per_block = impl in ("ours_fully_shard", "fsdp2")
     mesh = world_mesh(cfg) if per_block else None
+    meshes = [] if mesh is None else [mesh]
+    if mesh is not None and impl == "ours_fully_shard" and cfg.reshard_after_forward is not None:
+        meshes.append(post_forward_mesh(mesh, cfg.reshard_after_forward))  # the one fully_shard takes (cached)
     with LiveBytes() as live:
+        live.ignore(m._rank_map for m in meshes)  # what .mesh views (a new view each call)
         model = shard_per_block(impl, cfg, mesh) if per_block else wrap(impl, cfg)
         opt = optimizer_of(cfg, model.parameters())
         with contextlib.nullcontext() if around is None else around(live, model):  # type: ignore[arg-type]  # FSDP1 models only take one

@@ -61,6 +61,10 @@ class Prediction:
     backend: str
     optimizer: OptimizerSpec
     accumulate: int
+    api: str = "fsdp1"
+    """``predict_memory``'s: ``fsdp1`` or ``fully_shard``."""
+    forward_reshards: tuple[bool, ...] = ()
+    """``fully_shard``: per unit, whether it reshards after forward (``ModelMemoryRequest``'s)."""
 
     @property
     def worst_rank(self) -> int:
@@ -304,6 +308,7 @@ def predict_time(
                 forward_prefetch=prediction.options.forward_prefetch,
                 sync=sync,
                 follows_no_sync=follows_no_sync,
+                forward_reshards=prediction.forward_reshards,
             )
         )
 
@@ -464,4 +469,6 @@ def _predict_fully_shard(
         backend=backend,
         optimizer=spec,
         accumulate=accumulate,
+        api="fully_shard",
+        forward_reshards=forward_reshards,
     )

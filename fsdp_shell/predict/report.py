@@ -115,6 +115,19 @@ def _strategy(p: Prediction) -> str:
     return strategy
 
 
+def _api(p: Prediction) -> str:
+    """The API and its options the prediction is for."""
+    o = p.options
+    if p.api == "fully_shard":
+        sizes = {u.post_forward_ranks for u in p.units if u is not None} - {0}
+        resharding = [f"groups of {n} ranks" for n in sorted(sizes)] or [
+            "every block" if any(p.forward_reshards[:-1]) else "no unit"
+        ]
+        return f"fully_shard on each block, then the root; reshard after forward: {', '.join(resharding)}"
+    prefetch = o.backward_prefetch.name if o.backward_prefetch else None
+    return f"use_orig_params {o.use_orig_params}; backward_prefetch {prefetch}; forward_prefetch {o.forward_prefetch}"
+
+
 def format_prediction(p: Prediction, *, model: str, inputs: str) -> str:
     """The units, then every phase's peak for the worst rank by category, where it is reached,
     and the spread over ranks."""
@@ -138,9 +151,7 @@ def format_prediction(p: Prediction, *, model: str, inputs: str) -> str:
     lines = [
         f"model: {model}, {total:,} parameters in {len(units)} units; each rank's batch: {inputs}",
         f"world {p.world_size}: {_strategy(p)}; {precision}; {p.optimizer.kind.value}; "
-        f"offload {o.offload.offload_params}; use_orig_params {o.use_orig_params}; "
-        f"backward_prefetch {o.backward_prefetch.name if o.backward_prefetch else None}; "
-        f"forward_prefetch {o.forward_prefetch}; {p.accumulate} backward(s) per step",
+        f"offload {o.offload.offload_params}; {_api(p)}; {p.accumulate} backward(s) per step",
         f"predicted for {runtime}, steady state",
         "",
         "units (shard rank 0):",

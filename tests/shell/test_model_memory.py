@@ -11,7 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_core import Event, FlatParamLayout, HookEvent, PlanRequest, ShardingSpec, ShardingStrategy
+from fsdp_core import (
+    Division,
+    DivisionPolicy,
+    Event,
+    FlatParamLayout,
+    HookEvent,
+    MixedPrecision,
+    PerParamLayout,
+    PlanRequest,
+    ShardingSpec,
+    ShardingStrategy,
+)
 from fsdp_core.memory import (
     CUDA_CACHING,
     ActivationTrace,
@@ -269,3 +280,83 @@ def test_flops_go_to_the_unit_that_runs_them() -> None:
     }
     trace = ActivationTrace(points=tuple(dataclasses.replace(p, flops=flops.get(p.at, 0)) for p in TRACE.points))
     assert trace.unit_flops(2, root=1) == ((30, 700), (1 + 2 + 4, 50 + 6 + 8))
+
+
+def _per_param_unit(shapes: list[tuple[int, ...]], name: str, *, frozen: frozenset[int] = frozenset()) -> UnitSpec:
+    """A ``fully_shard`` unit of fp32 parameters over 2 ranks, those in ``frozen`` without gradients."""
+    gathered = PerParamLayout.of([(f"{name}.p{i}", s) for i, s in enumerate(shapes)], F32, 2)
+    reduce = PerParamLayout(
+        params=tuple(p for i, p in enumerate(gathered.params) if i not in frozen), dtype=F32, world=2
+    )
+    sharding = ShardingSpec.for_world(ShardingStrategy.FULL_SHARD, 2)
+    request = PlanRequest(layout=reduce, sharding=sharding, division=Division(policy=DivisionPolicy.IN_COLLECTIVE))
+    return UnitSpec(request=request, name=name, frozen=frozen, gathered=gathered)
+
+
+def test_a_fully_shard_units_gather_holds_its_buffer_and_its_parameters_at_once() -> None:
+    """The trace above with ``fully_shard`` units of the same sizes (unit 0: 100 fp32 elements, the
+    root 30; the root keeps its parameters from forward to backward, unit 0 reshards). FSDP's
+    side starts at the padded shards (200 + 60 B). The root's gather: its all-gather buffer
+    (120 B) and its unsharded parameter (120 B) both live while the copy-out runs, then the
+    buffer goes. Unit 0's: 400 + 400 B over the root's 120 B and the batch (64 B): 260 + 120 +
+    400 + 400 + 64 = 1244 B, where a flat parameter, gathered into its own memory, peaks at
+    1080 B (``test_two_units_on_device_streams_with_sgd_hand_worked``). Between steps: the
+    shards alone (SGD keeps no state)."""
+    units = (_per_param_unit([(100,)], "block"), _per_param_unit([(30,)], ""))
+    m = model_memory(
+        ModelMemoryRequest(
+            units=units,
+            root=1,
+            trace=TRACE,
+            optimizer=OptimizerSpec(kind=OptimizerKind.SGD),
+            executor=Executor.STREAMS,
+            backward_prefetch=None,
+            forward_reshards=(True, False),
+        )
+    )
+    forward = m.phase_peak(Phase.FORWARD)
+    assert (forward.bytes, forward.at) == (1244, _hook(Event.PRE_FORWARD, 0))
+    assert forward.breakdown[Category.PARAMS_UNSHARDED] == 120 + 400 + 400
+    assert forward.breakdown[Category.PARAMS_SHARDED] == 260
+    assert sum(m.after_step.values()) == 260
+
+
+def test_a_fully_shard_unit_knows_its_padded_shards_frozen_parameters_and_restored_gradients() -> None:
+    """Shapes (5, 3) and (3,) over 2 ranks: padded shards of 3 x 3 and 2 elements (44 B); the
+    frozen second parameter is gathered (all-gather buffer (9 + 2) x 2 x 4 = 88 B) but neither
+    reduced nor stepped; the optimizer's tensor is rank 1's unpadded 2 x 3 rows. An fp32 unit
+    keeps ``no_sync`` gradients in ``.grad`` (its pending dtype is its compute dtype); one
+    computing in bf16 and reducing in fp32 does not."""
+    unit = _per_param_unit([(5, 3), (3,)], "u", frozen=frozenset({1}))
+    assert unit.sharded_bytes() == (9 + 2) * 4
+    assert unit.gather().buffer == 88
+    assert unit.trainable and unit.num_params == 2
+    rank1 = for_rank([unit], 1)[0]
+    assert rank1 is not None
+    assert optimized_tensors([rank1], [(0, 0), (0, 1)]) == (OptimizedTensor(numel=6, dtype=F32, grad_dtype=F32),)
+    assert unit.request.restores_pending
+    bf16 = dataclasses.replace(
+        unit.request, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
+    assert not bf16.restores_pending
+    with pytest.raises(ValueError, match="gathered: its parameters but the frozen ones"):
+        UnitSpec(request=unit.request, gathered=unit.gathered)
+    with pytest.raises(ValueError, match="gathered: a per-parameter unit needs"):
+        UnitSpec(request=unit.request)
+    with pytest.raises(ValueError, match="forward_reshards: expected one bool per unit"):
+        ModelMemoryRequest(units=(unit,), root=0, trace=TRACE_ONE_UNIT)
+    with pytest.raises(ValueError, match="not both"):
+        ModelMemoryRequest(units=(unit, _unit(30, "")), root=1, trace=TRACE, forward_reshards=(True, False))
+
+
+TRACE_ONE_UNIT = ActivationTrace(
+    points=(
+        _point(Mark.FORWARD_START, 0, 0),
+        _point(_hook(Event.PRE_FORWARD, 0), 0, 0),
+        _point(_hook(Event.END_FORWARD, -1), 0, 0),
+        _point(_hook(Event.POST_FORWARD, 0), 0, 0),
+        _point(Mark.BACKWARD_START, 0, 0),
+        _point(Mark.BACKWARD_END, 0, 0),
+        _point(Mark.STEP_END, 0, 0),
+    )
+)

@@ -31,7 +31,25 @@ CASES = {
 }
 
 
+FULLY_SHARD_CASES = {
+    "mlp-no_sync": Config("FULL_SHARD", accumulate=2),
+    "mlp-hpz2-bf16-no_sync": Config("FULL_SHARD", ranks=4, reshard_after_forward=2, bf16=True, accumulate=2),
+    "mlp-hsdp-no_reshard-bf16": Config("HYBRID_SHARD_ZERO2", bf16=True),
+    "demo-hsdp-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),
+    "gpt2-3ranks": Config("FULL_SHARD", model="gpt2", ranks=3),
+}
+"""``fully_shard`` on every block, then the root (``predict_memory(..., api="fully_shard")``):
+kept ``no_sync`` gradients restored into ``.grad`` (fp32) or carried in the reduce dtype (bf16),
+hpZ, HSDP without resharding, uneven shards with tied embeddings."""
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_predicted_bytes_are_the_measured_ones(name: str) -> None:
     for rank, (predicted, measured) in enumerate(compare(CASES[name], steps=2)):
+        assert predicted == measured, f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", list(FULLY_SHARD_CASES))
+def test_fully_shards_predicted_bytes_are_the_measured_ones(name: str) -> None:
+    for rank, (predicted, measured) in enumerate(compare(FULLY_SHARD_CASES[name], steps=2, api="fully_shard")):
         assert predicted == measured, f"rank {rank}"
