@@ -167,8 +167,8 @@ def record_trace(
         flats = undo.enter_context(_flat_params(units, fake))
         with (
             fake,
-            LiveBytes("meta", block=block) as live,
             FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops,
+            LiveBytes("meta", block=block) as live,  # above the counter, which decomposes ops it has no count for
         ):
             live.ignore([*flats.values(), *module.buffers()])
             rec = _Recorder(live, flops)
@@ -405,8 +405,8 @@ def record_trace_per_param(
                         kept[index] = [torch.zeros(p.shape, dtype=p.dtype) for p in params[index] if p.requires_grad]
         with (
             fake,
-            LiveBytes("meta", block=block) as live,
             FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION) as flops,
+            LiveBytes("meta", block=block) as live,  # above the counter, which decomposes ops it has no count for
         ):
             live.ignore([*(p for ps in params.values() for p in ps), *module.buffers()])
             rec = _PerParamRecorder(live, flops, params, kept)

@@ -14,6 +14,7 @@ from torch import nn
 from fsdp_core import Event, HookEvent, MixedPrecision
 from fsdp_core.memory import Category, Mark, Phase
 from fsdp_shell.cli.plan import main
+from fsdp_shell.memory import LiveBytes
 from fsdp_shell.predict import predict_memory
 from fsdp_shell.predict.spec import load_model
 
@@ -223,3 +224,63 @@ def test_fsdp_plan_model_errors_are_one_line(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exit_status:
         main(["--model", "demo", "--tflops", "0"])
     assert exit_status.value.code == 2 and "--tflops: expected a positive number" in capsys.readouterr().err
+
+
+# -- fully_shard ---------------------------------------------------------------------------------
+
+
+def test_fully_shards_trace_reduces_a_unit_once_its_inputs_gradients_are_done() -> None:
+    """``fully_shard``'s post-backward waits for the unit's forward inputs' gradients too: the root
+    (its inputs need none) reduces as soon as its own gradients arrived, before layer 1's
+    pre-backward; layer 1 only after layer 0's pre-backward (the gradient of layer 0's output is
+    layer 1's input's, hooked first by layer 0). Each takes its parameters' gradients: 1088 B per
+    layer, 272 B for the root's 16 x 4 + 4."""
+    with torch.device("meta"):
+        model = net()
+    prediction = predict_memory(
+        model, step, world_size=2, auto_wrap_policy={Layer}, backend="gloo", api="fully_shard", backward_prefetch=None
+    )
+    hooks = [(p.at.event, p.at.unit) for p in prediction.trace.points if isinstance(p.at, HookEvent)]
+    backward = hooks[hooks.index((Event.PRE_BACKWARD, 2)) :]
+    assert backward == [
+        (Event.PRE_BACKWARD, 2),
+        (Event.POST_BACKWARD, 2),
+        (Event.PRE_BACKWARD, 1),
+        (Event.PRE_BACKWARD, 0),
+        (Event.POST_BACKWARD, 1),
+        (Event.POST_BACKWARD, 0),
+        (Event.END_BACKWARD, -1),
+    ]
+    taken = {p.at.unit: p.taken for p in prediction.trace.points if p.taken and isinstance(p.at, HookEvent)}
+    assert taken == {0: 1088, 1: 1088, 2: 272}
+    assert prediction.api == "fully_shard" and prediction.forward_reshards == (True, True, False)
+
+
+def silu_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 256), nn.SiLU(), nn.Linear(256, 8))
+
+
+def silu_step(model: nn.Module) -> torch.Tensor:
+    out: torch.Tensor = model(torch.randn(64, 8)).square().mean()
+    return out
+
+
+@pytest.mark.parametrize("api", ["fsdp1", "fully_shard"])
+def test_the_trace_counts_what_an_op_makes_not_the_flop_counters_decomposition(api: str) -> None:
+    """``FlopCounterMode`` decomposes ops it has no count for (``silu_backward`` into seven, with
+    temporaries of the op's size); the trace counts bytes above it, so only what the fused op
+    makes, as the CPU holds when the model trains: the backward's highest autograd bytes equal
+    those of a real backward of the same model measured by ``LiveBytes`` (its gradients
+    included: autograd's until the post-backward takes them; the parameters left out, as FSDP's
+    side counts them)."""
+    model = silu_net()
+    trace = predict_memory(model, silu_step, world_size=2, backend="gloo", api=api, backward_prefetch=None).trace
+    marks = [p.at for p in trace.points]
+    backward = trace.points[marks.index(Mark.BACKWARD_START) : marks.index(Mark.BACKWARD_END)]
+    traced = max(max(p.peak, p.live) for p in backward)
+    with LiveBytes() as live:
+        live.ignore(model.parameters())
+        loss = silu_step(model)
+        with live.phase("backward"):
+            torch.autograd.backward(loss)
+    assert traced == live.peaks["backward"]
