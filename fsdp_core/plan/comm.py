@@ -90,14 +90,15 @@ def ring_bytes(collective: str, numel: int, group_size: int, dtype: torch.dtype)
     raise ValueError(f"collective: expected reduce_scatter, all_reduce or all_gather, got {collective!r}")
 
 
-def all_gather_volume(request: PlanRequest) -> CommVolume | None:
+def all_gather_volume(request: PlanRequest, ranks: int | None = None) -> CommVolume | None:
     """The all-gather that unshards the flat parameter of ``request`` (forward, or backward after
-    a reshard): every rank's padded shard in the compute dtype, over the shard group. None for
-    ``NO_SHARD``, whose parameter is never sharded."""
+    a reshard): every rank's padded shard in the compute dtype, over the shard group, or over a
+    group of ``ranks`` of them (a unit resharded to such groups after forward, ``fully_shard``'s
+    hpZ: each holds 1/``ranks`` of it). None for ``NO_SHARD``, whose parameter is never sharded."""
     sharding = request.sharding
     if not sharding.strategy.is_sharded:
         return None
-    g = sharding.shard_size
+    g = sharding.shard_size if ranks is None else ranks
     padded = request.padded_numel
     dtype = request.compute_dtype
     return CommVolume(
@@ -106,7 +107,7 @@ def all_gather_volume(request: PlanRequest) -> CommVolume | None:
         op="all_gather",
         group=Group.SHARD,
         group_size=g,
-        input_numel=request.shard_numel,
+        input_numel=padded // g,
         output_numel=padded,
         dtype=dtype,
         bytes=ring_bytes("all_gather", padded, g, dtype),

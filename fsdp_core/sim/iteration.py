@@ -138,6 +138,7 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
     gathered: dict[int, int | None] = dict.fromkeys(model.gathered_at_start)
     """unit -> its all-gather task while gathered or in flight; None: gathered before the iteration."""
     awaited: list[int] = []  # all-gathers the next compute task waits for
+    parted: set[int] = set()  # units resharded to a smaller group after forward (hpZ)
     host_waits: set[int] = set()  # lane tasks the host waits for before its next task
 
     def add(
@@ -183,9 +184,11 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
             match action:
                 case Gather():
                     plan = model.plans[action.unit]
-                    volume = None if plan is None else all_gather_volume(plan.request)
+                    small = model.units[action.unit].post_forward_ranks if action.unit in parted else 0
+                    parted.discard(action.unit)
+                    volume = None if plan is None else all_gather_volume(plan.request, small or None)
                     if action.unit not in gathered and volume is not None:
-                        link = link_of(Group.SHARD)
+                        link = span_link(small, model.ranks_per_node) if small else link_of(Group.SHARD)
                         given = model.units[action.unit].collectives
                         cost = given.all_gather_ms(link) if given else model.cost.collective_seconds(volume, link) * 1e3
                         blocking = cpu and gather_waits(volume.output_bytes)
@@ -202,7 +205,8 @@ def _tasks(model: IterationModel, links: LinkModel) -> tuple[list[SimTask], list
                     if (task := gathered.get(action.unit)) is not None:
                         awaited.append(task)
                 case Reshard():
-                    gathered.pop(action.unit, None)
+                    if gathered.pop(action.unit, -1) != -1 and model.units[action.unit].post_forward_ranks:
+                        parted.add(action.unit)  # resharded to a smaller group: gathered over it next
                 case _:
                     assert_never(action)
 

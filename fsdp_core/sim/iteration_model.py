@@ -133,6 +133,9 @@ class UnitCosts:
     collectives: CollectiveCosts | None = None
     """Its collectives' costs as given (the seed's figures); None: the ``IterationModel``'s
     ``CostModel`` prices every op of its plan from the bytes it moves, element-wise ops too."""
+    post_forward_ranks: int = 0
+    """A ``fully_shard`` unit that reshards to groups of this many consecutive ranks after
+    forward (hpZ): backward gathers it over such a group (``UnitSpec.post_forward_ranks``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -435,6 +438,7 @@ def model_of_units(
             name=(u.name if u is not None and u.name else f"unit {index}") if index != root else "root",
             forward_ms=forward,
             backward_ms=backward,
+            post_forward_ranks=0 if u is None else u.post_forward_ranks,
         )
         for index, (u, (forward, backward)) in enumerate(zip(units, compute_ms))
     )

@@ -13,9 +13,11 @@ from torch import nn
 
 from fsdp_core import Event, HookEvent, MixedPrecision
 from fsdp_core.memory import Category, Mark, Phase
+from fsdp_core.sim import Activity, Link
 from fsdp_shell.cli.plan import main
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.predict import predict_memory
+from fsdp_shell.predict.model import Prediction, predict_time
 from fsdp_shell.predict.spec import load_model
 
 
@@ -284,3 +286,49 @@ def test_the_trace_counts_what_an_op_makes_not_the_flop_counters_decomposition(a
         with live.phase("backward"):
             torch.autograd.backward(loss)
     assert traced == live.peaks["backward"]
+
+
+def test_hpz_gathers_backward_inside_a_node_for_memory() -> None:
+    """16 ranks, 8 per node: with ``reshard_after_forward=8`` each block keeps 1/8 of its gathered
+    parameters after forward (1088 / 8 B: the forward's peak holds layer 0's part) and
+    backward gathers it over the node's 8 ranks (an intra-node link, 1/8 of the volume in per
+    rank), where ``True`` gathers over all 16 across nodes; forward gathers across nodes both
+    ways."""
+    with torch.device("meta"):
+        model = net()
+
+    def predicted(reshard: bool | int) -> tuple[Prediction, set[tuple[Activity, Link | None]]]:
+        p = predict_memory(
+            model,
+            step,
+            world_size=16,
+            auto_wrap_policy={Layer},
+            backend="gloo",
+            api="fully_shard",
+            backward_prefetch=None,
+            reshard_after_forward=reshard,
+        )
+        timeline = predict_time(p, flops_per_second=1e12, ranks_per_node=8).sync
+        gathers = {(i.activity, i.link) for i in timeline.intervals if i.unit != 2 and i.group is not None}
+        return p, {g for g in gathers if g[0] in (Activity.FORWARD_ALL_GATHER, Activity.BACKWARD_ALL_GATHER)}
+
+    full, full_links = predicted(True)
+    hpz, hpz_links = predicted(8)
+    assert full_links == {
+        (Activity.FORWARD_ALL_GATHER, Link.INTER_NODE),
+        (Activity.BACKWARD_ALL_GATHER, Link.INTER_NODE),
+    }
+    assert hpz_links == {
+        (Activity.FORWARD_ALL_GATHER, Link.INTER_NODE),
+        (Activity.BACKWARD_ALL_GATHER, Link.INTRA_NODE),
+    }
+    forward = [m.phase_peak(Phase.FORWARD).breakdown[Category.PARAMS_UNSHARDED] for m in (full.worst, hpz.worst)]
+    assert forward[1] - forward[0] == 1088 // 8, "layer 0's part while layer 1 gathers"
+    with pytest.raises(ValueError, match="reshard_after_forward: expected a bool or a factor"):
+        predict_memory(model, step, world_size=16, api="fully_shard", backward_prefetch=None, reshard_after_forward=3)
+    with pytest.raises(ValueError, match="use_orig_params: fully_shard has no such option"):
+        predict_memory(model, step, world_size=2, api="fully_shard", backward_prefetch=None, use_orig_params=True)
+    with pytest.raises(ValueError, match="reshard_after_forward: only api='fully_shard'"):
+        predict_memory(model, step, world_size=2, reshard_after_forward=2)
+    with pytest.raises(ValueError, match="api: expected one of"):
+        predict_memory(model, step, world_size=2, api="fsdp3")
