@@ -11,6 +11,9 @@ tensor-storage bytes from the model's construction on, the peak of each phase ov
 Printed per configuration, for the worst rank: predicted / measured peak of forward, backward
 and the optimizer step, and the bytes left after the last step; then the largest error.
 
+``--fsdp2`` prints PyTorch's FSDP2 trained alike under each ``fully_shard`` row, measured the
+same way (PyTorch's own bytes beside ours).
+
 ``CONFIGS`` train with this library's FSDP1 API, ``FULLY_SHARD_CONFIGS`` (names starting
 ``fully_shard:``) with its ``fully_shard`` applied to every block and then the root
 (``predict_memory(..., api="fully_shard")``; ``fsdp_shell.memory.workload.shard_per_block``).
@@ -24,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fsdp_shell.memory.measure import PHASES
+from fsdp_shell.cli.launch import run_world
+from fsdp_shell.memory.measure import PHASES, measure
 from fsdp_shell.memory.workload import Config
 from fsdp_shell.predict.against import compare
 
@@ -108,6 +112,12 @@ def main() -> None:
     known = {**CONFIGS, **FULLY_SHARD_CONFIGS}
     parser.add_argument("--configs", default=",".join(known), help="comma-separated names")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="after each fully_shard row, PyTorch's FSDP2 trained alike, measured the same way (its worst "
+        "rank's bytes; none for offload, which FSDP2 pins)",
+    )
     args = parser.parse_args()
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in known]
@@ -125,6 +135,12 @@ def main() -> None:
         worst = max(worst, *errors)
         cells = " ".join(f"{predicted[k]:>10,}/{measured[k]:<10,}" for k in PHASES)
         print(f"{name:<50} {cells}  max err {max(errors):.2%}", flush=True)
+        cfg = known[name]
+        if args.fsdp2 and api == "fully_shard" and not cfg.offload:
+            theirs = [out["fsdp2"] for out in run_world(cfg.world, measure, (cfg, args.steps, ("fsdp2",)), timeout=600)]
+            row = max(theirs, key=lambda m: m["backward"])
+            cells = " ".join(f"{'':>10} {row[k]:<10,}" for k in PHASES)
+            print(f"{'  FSDP2, measured':<50} {cells}", flush=True)
     print(f"largest error over every rank and phase: {worst:.3%}")
 
 

@@ -274,10 +274,20 @@ _FIT_7B = (
     *("--param-dtype", "bf16", "--reduce-dtype", "fp32", "--batch-size", "1", "--seq", "4096"),
 )
 
+_FIT_7B_16 = (
+    *("--model", "llama-7b", "--world-size", "16"),
+    *("--param-dtype", "bf16", "--reduce-dtype", "fp32", "--batch-size", "1", "--seq", "4096"),
+)
+
 CLI_BLOCKS: Mapping[str, tuple[str, ...]] = {
     # docs/user-guide.md, "Will it fit?": Llama 2 7B on 64 GPUs as 8 x 8 HSDP with bf16
     "fit_7b_hsdp": _FIT_7B,
     "fit_7b_hsdp_no_sync": (*_FIT_7B, "--grad-accum", "4"),
+    # docs/user-guide.md, "Will it fit?": the same with fully_shard on each block, then the root
+    "fit_7b_fully_shard_hsdp": (*_FIT_7B, "--api", "fully_shard"),
+    # docs/user-guide.md, "Will it fit?": fully_shard over 16 ranks (8 per node), then hpZ's groups of 8
+    "fit_7b_fully_shard_16": (*_FIT_7B_16, "--api", "fully_shard"),
+    "fit_7b_fully_shard_16_hpz": (*_FIT_7B_16, "--api", "fully_shard", "--reshard-after-forward", "8"),
     # docs/from-fsdp2.md: one block of its script (LayerNorm, up and down) as a fully_shard unit
     "fully_shard_block": (
         *("--api", "fully_shard", "--shapes", "64,64,256x64,256,64x256,64", "--world-size", "2"),

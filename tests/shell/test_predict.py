@@ -291,8 +291,8 @@ def test_the_trace_counts_what_an_op_makes_not_the_flop_counters_decomposition(a
 def test_hpz_gathers_backward_inside_a_node_for_memory() -> None:
     """16 ranks, 8 per node: with ``reshard_after_forward=8`` each block keeps 1/8 of its gathered
     parameters after forward (1088 / 8 B: the forward's peak holds layer 0's part) and
-    backward gathers it over the node's 8 ranks (an intra-node link, 1/8 of the volume in per
-    rank), where ``True`` gathers over all 16 across nodes; forward gathers across nodes both
+    backward gathers it over the node's 8 ranks (the intra-node link, each rank receiving 7/8 of
+    the unit), where ``True`` gathers over all 16 across nodes; forward gathers across nodes both
     ways."""
     with torch.device("meta"):
         model = net()
