@@ -91,6 +91,7 @@ FULLY_SHARD_CONFIGS: dict[str, Config] = {
         "mlp-sgd_momentum": Config("FULL_SHARD", optimizer="sgd_momentum"),
         "mlp-adam": Config("FULL_SHARD", optimizer="adam"),
         "mlp-3ranks": Config("FULL_SHARD", ranks=3),
+        "mlp-1rank-bf16-no_sync": Config("FULL_SHARD", ranks=1, bf16=True, accumulate=2),
         "demo": Config("FULL_SHARD", model="demo"),
         "demo-bf16": Config("FULL_SHARD", model="demo", bf16=True),
         "demo-hsdp-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),

@@ -30,6 +30,9 @@ from fsdp_shell.runtime.collectives import all_gather_flat, reduce_scatter_flat
 from tests.worlds.dist_harness import run_world
 from tests.worlds.fsdp_cases import Case, check_outcomes, run_case
 from tests.worlds.test_fsdp_gloo import FLAT_CASES, HYBRID_CASES
+from tests.worlds.test_fully_shard_gloo import CASES as FULLY_SHARD_CASES
+from tests.worlds.test_fully_shard_gloo import Case as FullyShardCase
+from tests.worlds.test_fully_shard_gloo import train_against_fsdp2
 
 COLLECTIVES: dict[str, Callable[[torch.Tensor, int], object]] = {
     "all_reduce": lambda t, world: dist.all_reduce(t),
@@ -100,6 +103,33 @@ def run_part(rank: int, world: int, arg: tuple[tuple[Case, ...], Stream | None])
     return results
 
 
+def run_fully_shard_part(
+    rank: int, world: int, arg: tuple[tuple[FullyShardCase, ...], Stream | None]
+) -> dict[str, str]:
+    """Each ``fully_shard`` case in turn on this rank against PyTorch's ``fully_shard`` trained
+    alike in the same world: '' when they agree, else the first problem or failure."""
+    cases, slow = arg
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    results = {}
+    with slowed(slow):
+        for case in cases:
+            try:
+                problems = train_against_fsdp2(rank, world, case)
+                results[case.id] = problems[0] if problems else ""
+            except Exception as error:  # noqa: BLE001  (reported per case; the summary names it)
+                results[case.id] = traceback.format_exception_only(error)[-1].strip()
+                break
+    return results
+
+
+def fully_shard_cases(world: int, device: str, quick: bool) -> tuple[FullyShardCase, ...]:
+    """The ``fully_shard`` parity cases of a world of ``world`` ranks that run on ``device``:
+    not offload (refused on an accelerator mesh) nor ``compile`` (no compiler is assumed)."""
+    chosen = [c for c in FULLY_SHARD_CASES if c.world == world and not c.offload and not c.compiled]
+    return tuple(dataclasses.replace(c, device=device) for c in (chosen[:2] if quick else chosen))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -112,16 +142,25 @@ def main(argv: list[str] | None = None) -> int:
 
     lacking = run_world(2, probe, args.device, timeout=120)[0]
     print(f"gloo on {args.device} tensors lacks: {', '.join(lacking) or 'nothing this check uses'}", flush=True)
-    parts: list[tuple[str, int, tuple[Case, ...], Stream | None]] = [
+    parts: list[tuple[str, int, tuple[Any, ...], Stream | None]] = [
         ("sharded", 2, on_device(FLAT_CASES), None),
         ("hybrid", 4, on_device(HYBRID_CASES), None),
         ("sharded, slow post_backward stream", 2, on_device(FLAT_CASES), Stream.POST_BACKWARD),
         ("hybrid, slow all_reduce stream", 4, on_device(HYBRID_CASES), Stream.ALL_REDUCE),
+        ("fully_shard against PyTorch's", 2, fully_shard_cases(2, args.device, args.quick), None),
+        ("fully_shard against PyTorch's", 4, fully_shard_cases(4, args.device, args.quick), None),
+        (
+            "fully_shard, slow post_backward stream",
+            4,
+            fully_shard_cases(4, args.device, args.quick),
+            Stream.POST_BACKWARD,
+        ),
     ]
     failed = 0
     for name, world, cases, slow in parts:
+        runner = run_fully_shard_part if cases and isinstance(cases[0], FullyShardCase) else run_part
         try:
-            per_rank = run_world(world, run_part, (cases, slow), timeout=240)
+            per_rank = run_world(world, runner, (cases, slow), timeout=240)
         except (RuntimeError, TimeoutError) as error:
             print(f"{name}, {world} ranks on {args.device}: did not finish: {str(error).splitlines()[0]}", flush=True)
             failed += 1

@@ -130,6 +130,9 @@ class Case:
     gives the same values."""
     steps: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    """The mesh's device type: ``cuda`` for ranks sharing one GPU over gloo
+    (``tests/device/gpu_worlds.py``); the model and its batches go there."""
 
     @property
     def id(self) -> str:
@@ -205,7 +208,7 @@ def _build(case: Case, mesh: DeviceMesh, shard: Any, base: Net) -> tuple[Net, to
             a.set_modules_to_forward_prefetch([b])  # type: ignore[operator]  # FSDPModule's (both libraries')
             b.set_modules_to_backward_prefetch([a])  # type: ignore[operator]  # FSDPModule's (both libraries')
     if case.meta:
-        model.to_empty(device="cpu")
+        model.to_empty(device=case.device)
         full = base.state_dict() if dist.get_rank() == 0 else {}  # rank 0's, broadcast to the others
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -234,7 +237,7 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, batches: list[torc
 def train_against_fsdp2(rank: int, world: int, case: Case) -> list[str]:
     """Problems found on this rank (none when both libraries trained alike)."""
     names = ("replicate", "shard")[-len(case.mesh) :]
-    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=names)
+    mesh = init_device_mesh(case.device, case.mesh, mesh_dim_names=names)
     torch.manual_seed(0)
     base = Net(case.tied)
     theirs, their_opt = _build(case, mesh, torch_fully_shard, base)
@@ -260,7 +263,7 @@ def train_against_fsdp2(rank: int, world: int, case: Case) -> list[str]:
     gathered_last = 0
     for step in range(case.steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
-        batches = [torch.randint(0, VOCAB, (3, 7), generator=gen) for _ in range(case.micro)]
+        batches = [torch.randint(0, VOCAB, (3, 7), generator=gen).to(case.device) for _ in range(case.micro)]
         before = _all_gathers(root)
         a, b = _step(case, theirs, their_opt, batches), _step(case, ours, our_opt, batches)
         gathered_last = _all_gathers(root) - before
