@@ -20,16 +20,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_core import PerParamLayout, ShardedParam, unit_dtypes
-from fsdp_shell.fsdp2.group import ParamGroup, Slot
+from fsdp_core import unit_dtypes
+from fsdp_shell.fsdp2.group import ParamGroup
 from fsdp_shell.fsdp2.state import FSDPState, lazy_init, state_of
+from fsdp_shell.fsdp2.units import Slot, managed_params, per_param_layout
 
 __all__ = [
     "FSDPModule",
     "UnshardHandle",
     "fully_shard",
-    "managed_params",
-    "per_param_layout",
     "post_forward_mesh",
     "register_fsdp_forward_method",
 ]
@@ -208,49 +207,6 @@ def _managed(
     return params, slots, names
 
 
-def managed_params(
-    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], sharded: Callable[[nn.Module], bool]
-) -> tuple[list[nn.Parameter], list[list[Slot]], list[str]]:
-    """The parameters ``fully_shard(modules)`` manages, in FSDP2's order (modules in post-order,
-    each one's own parameters, none under a module ``sharded`` says ``fully_shard`` was applied
-    to before), where each is registered, and its name under the given module (the prediction
-    takes a model apart with it, ``fsdp_shell.predict.model``)."""
-    roots = set(map(id, modules))
-    seen: set[int] = set()
-    order: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        if id(m) not in roots and sharded(m):
-            return
-        seen.add(id(m))
-        for child in m.children():
-            if id(child) not in seen:
-                visit(child)
-        order.append(m)
-
-    for m in modules:
-        visit(m)
-    names_of: dict[int, str] = {}
-    for k, m in enumerate(modules):
-        prefix = f"{k}." if len(modules) > 1 else ""
-        for name, p in m.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), prefix + name)
-    params: list[nn.Parameter] = []
-    slots: list[list[Slot]] = []
-    index: dict[int, int] = {}
-    for m in order:
-        for name, maybe in list(m._parameters.items()):
-            if maybe is None or maybe in ignored:
-                continue
-            p = maybe
-            if id(p) not in index:
-                index[id(p)] = len(params)
-                params.append(p)
-                slots.append([])
-            slots[index[id(p)]].append((m, name))
-    return params, slots, [names_of.get(id(p), f"param{i}") for i, p in enumerate(params)]
-
-
 def _group(
     params: list[nn.Parameter],
     slots: list[list[Slot]],
@@ -274,29 +230,6 @@ def _group(
     return ParamGroup(
         params, slots, layout, unit_dtypes(params[0].dtype, mp.param_dtype, mp.reduce_dtype), mesh, device
     )
-
-
-def per_param_layout(
-    params: list[nn.Parameter],
-    names: list[str],
-    world: int,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
-) -> PerParamLayout:
-    """The layout of one ``fully_shard`` call's parameters (one dtype) over ``world`` ranks: each
-    on the dimension ``shard_placement_fn`` gives (0 where it gives None or there is none), a
-    tensor-parallel ``DTensor`` by its local tensor."""
-    specs = []
-    for p, name in zip(params, names):
-        dim = 0
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None:
-                if not isinstance(placement, Shard):
-                    raise TypeError(f"shard_placement_fn: expected Shard(dim) or None for {name!r}, got {placement!r}")
-                dim = placement.dim % max(p.dim(), 1)
-        local = p.to_local() if isinstance(p, DTensor) else p  # tensor parallelism: its local tensor
-        specs.append(ShardedParam(name=name, shape=tuple(local.shape), shard_dim=dim))
-    return PerParamLayout(params=tuple(specs), dtype=params[0].dtype, world=world)
 
 
 def _fsdp_class(cls: type) -> type:

@@ -27,15 +27,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_core import InputRole, PerParamLayout, Plan, ShardedParam, ShardView, UnitDtypes
+from fsdp_shell.fsdp2.units import Slot
 from fsdp_shell.runtime.collectives import Pending, release
 from fsdp_shell.runtime.protocol import Runtime
 from fsdp_shell.units.grads import Grads
 from fsdp_shell.units.per_param import copy_in, copy_out_into, padded_shard
 
 __all__ = ["ParamGroup", "Slot"]
-
-Slot = tuple[nn.Module, str]
-"""Where a parameter is registered: ``module._parameters[name]``."""
 
 
 class ParamGroup:

@@ -33,26 +33,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_map
 
 from fsdp_core import (
-    BackendCaps,
-    CPUOffload,
-    Division,
-    DivisionPolicy,
     Event,
     InputRole,
-    MixedPrecision,
-    PerParamLayout,
     Plan,
     PlanCache,
     PlanRequest,
-    ShardingSpec,
-    ShardingStrategy,
-    step_flags,
 )
 from fsdp_shell.fsdp2.gathers import GatherRunner
 from fsdp_shell.fsdp2.group import ParamGroup
+from fsdp_shell.fsdp2.units import Settings, cast_floats, per_param_request, reshards_after_forward
 from fsdp_shell.runtime.collectives import CollectiveLog, Phase
 from fsdp_shell.runtime.device import make_runtime
 from fsdp_shell.runtime.groups import ProcessGroups
@@ -65,30 +56,10 @@ __all__ = [
     "FSDPState",
     "RootContext",
     "Settings",
-    "cast_floats",
-    "per_param_request",
-    "reshards_after_forward",
     "state_of",
 ]
 
 STATE_ATTR = "_fsdp_shell_state"
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """What ``FSDPModule``'s setters change, for one ``fully_shard`` call (replaced whole)."""
-
-    reshard_after_forward: bool | int | None = None
-    """None: every module but the root reshards after forward (FSDP2's default); an int (not a
-    bool): reshards to groups of that many ranks (``FSDPState.post_forward_mesh``'s)."""
-    reshard_after_backward: bool = True
-    requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True
-    unshard_in_backward: bool = True
-    """False: backward reads none of the unit's parameters (an embedding), so it is not gathered
-    for backward (its gradients still accumulate on the unsharded parameters)."""
-    gradient_divide_factor: float | None = None
-    force_sum_reduction_for_comms: bool = False
 
 
 @dataclass
@@ -230,53 +201,6 @@ class FSDPState:
         )
 
 
-def reshards_after_forward(value: bool | int | None, is_root: bool) -> bool:
-    """Whether a unit with ``reshard_after_forward=value`` frees (or, an int, reshards to a
-    smaller group) its unsharded parameters after forward: None, every unit but the root
-    (FSDP2's default)."""
-    return (not is_root) if value is None else bool(value)
-
-
-def per_param_request(
-    reduce_layout: PerParamLayout,
-    *,
-    replicate_size: int | None,
-    rank: int,
-    mp: MixedPrecisionPolicy,
-    offload: bool,
-    caps: BackendCaps,
-    settings: Settings,
-    roles: frozenset[InputRole],
-    all_reduce_hook: bool,
-) -> PlanRequest:
-    """The post-backward plan request of a unit whose parameters that take gradients are
-    ``reduce_layout`` (sharded over its ``world``), on shard ``rank``, replicated over
-    ``replicate_size`` ranks (a 2-D mesh; None: a 1-D one), with ``caps`` the backend's (all
-    sums with ``force_sum_reduction_for_comms``), the carried ``roles``: the runtime's and the
-    prediction's (``fsdp_shell.predict.model``)."""
-    s = settings
-    hybrid = replicate_size is not None
-    sharding = ShardingSpec(
-        strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD,
-        shard_size=reduce_layout.world,
-        replicate_size=replicate_size if replicate_size is not None else 1,
-        rank=rank,
-    )
-    if s.force_sum_reduction_for_comms:
-        caps = BackendCaps()
-    flags = step_flags(roles, sync_gradients=s.requires_gradient_sync, requires_all_reduce=s.requires_all_reduce)
-    return PlanRequest(
-        layout=reduce_layout,
-        sharding=sharding,
-        mixed_precision=MixedPrecision(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype),
-        offload=CPUOffload(offload_params=offload),
-        division=Division(policy=DivisionPolicy.IN_COLLECTIVE, backend=caps, factor=s.gradient_divide_factor),
-        flags=flags,
-        reshard_after_backward=s.reshard_after_backward,
-        all_reduce_hook=all_reduce_hook,
-    )
-
-
 def _to_sharded(group: ParamGroup, *args: Any, **kwargs: Any) -> None:
     group.to_sharded()
 
@@ -367,14 +291,6 @@ def lazy_init(state: FSDPState) -> RootContext:
 
 
 # -- forward --------------------------------------------------------------------------------------
-
-
-def cast_floats(dtype: torch.dtype | None, tree: Any) -> Any:
-    """``tree`` with every floating-point tensor cast to ``dtype`` (None: as it is), as
-    ``MixedPrecisionPolicy`` casts a unit's forward inputs and outputs."""
-    if dtype is None:
-        return tree
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and torch.is_floating_point(x) else x, tree)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]  # unannotated in torch

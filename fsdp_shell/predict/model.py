@@ -34,8 +34,13 @@ from fsdp_core.memory.model_memory import (
 from fsdp_core.memory.optimizer import OptimizerKind, OptimizerSpec
 from fsdp_core.memory.workspace import cuda_workspaces
 from fsdp_core.sim import CostModel, IterationTimeline, flops_compute_ms, model_of_units, simulate_iteration
-from fsdp_shell.fsdp2.api import managed_params, per_param_layout
-from fsdp_shell.fsdp2.state import Settings, per_param_request, reshards_after_forward
+from fsdp_shell.fsdp2.units import (
+    Settings,
+    managed_params,
+    per_param_layout,
+    per_param_request,
+    reshards_after_forward,
+)
 from fsdp_shell.options import Options, parse_options
 from fsdp_shell.predict.trace import PerParamTraceUnit, StepFn, TraceUnit, record_trace, record_trace_per_param
 from fsdp_shell.units.build import OwnedParams, UnitSite, find_units, param_names, unit_params, unit_request

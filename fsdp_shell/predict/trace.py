@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from fsdp_core import Event, FlatParamLayout, HookEvent, MixedPrecision, PlanRequest
 from fsdp_core.memory.activation_trace import ActivationTrace, Mark, TracePoint
-from fsdp_shell.fsdp2.state import cast_floats
+from fsdp_shell.fsdp2.units import cast_floats
 from fsdp_shell.memory import LiveBytes
 from fsdp_shell.memory.live import Window
 from fsdp_shell.units.flat_param import OrigParam, split_views
