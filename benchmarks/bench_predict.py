@@ -92,9 +92,16 @@ FULLY_SHARD_CONFIGS: dict[str, Config] = {
         "mlp-adam": Config("FULL_SHARD", optimizer="adam"),
         "mlp-3ranks": Config("FULL_SHARD", ranks=3),
         "mlp-1rank-bf16-no_sync": Config("FULL_SHARD", ranks=1, bf16=True, accumulate=2),
+        "mlp-prefetch": Config("FULL_SHARD", explicit_prefetch=True),
+        "mlp-prefetch-bf16-no_sync": Config("FULL_SHARD", explicit_prefetch=True, bf16=True, accumulate=2),
+        "mlp-prefetch-hpz2-bf16": Config(
+            "FULL_SHARD", ranks=4, explicit_prefetch=True, reshard_after_forward=2, bf16=True
+        ),
+        "mlp-hsdp-prefetch": Config("HYBRID_SHARD", explicit_prefetch=True),
         "demo": Config("FULL_SHARD", model="demo"),
         "demo-bf16": Config("FULL_SHARD", model="demo", bf16=True),
         "demo-hsdp-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),
+        "demo-prefetch-bf16": Config("FULL_SHARD", model="demo", bf16=True, explicit_prefetch=True),
         "gpt2": Config("FULL_SHARD", model="gpt2"),
         "gpt2-bf16": Config("FULL_SHARD", model="gpt2", bf16=True),
         "gpt2-no_reshard-bf16-no_sync": Config("SHARD_GRAD_OP", model="gpt2", bf16=True, accumulate=2),

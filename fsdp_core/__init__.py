@@ -91,6 +91,7 @@ from fsdp_core.unshard.render import format_unshard, unshard_to_json
 from fsdp_core.unshard.schedule import (
     AwaitGather,
     Gather,
+    PerUnitGathers,
     Reshard,
     UnshardAction,
     UnshardRequest,
@@ -147,6 +148,7 @@ __all__ = [
     "Pad",
     "ParamSpec",
     "PerParamLayout",
+    "PerUnitGathers",
     "Plan",
     "PlanCache",
     "PlanRequest",

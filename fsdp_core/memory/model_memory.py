@@ -53,6 +53,7 @@ from fsdp_core.spec.events import Event, HookEvent
 from fsdp_core.spec.per_param import PerParamLayout
 from fsdp_core.unshard.schedule import (
     AwaitGather,
+    PerUnitGathers,
     UnshardRequest,
     per_param_unshard_request,
     plan_unshard,
@@ -194,10 +195,10 @@ class ModelMemoryRequest:
     """Device bytes of the module's buffers and of what FSDP leaves alone."""
     workspace: int = 0
     """Device bytes the math libraries keep (``Workspaces.bytes``), counted in every phase."""
-    forward_reshards: tuple[bool, ...] = ()
-    """``fully_shard`` units (their specs ``gathered``): per unit, whether it reshards after
-    forward (its ``reshard_after_forward``, an int counting as True); required for them, and
-    their all-gather schedule is ``per_param_unshard_request``'s. Empty for flat-parameter units."""
+    fully_shard: PerUnitGathers | None = None
+    """``fully_shard`` units (their specs ``gathered``): what each unit's settings make of its
+    all-gathers; required for them (their schedule is ``per_param_unshard_request``'s), None for
+    flat-parameter units."""
     accumulating_trace: ActivationTrace | None = None
     """Autograd's side of a forward-backward after one inside ``no_sync``, where units that
     restore their kept gradients (``PlanRequest.restores_pending``) have them in ``.grad`` from
@@ -210,13 +211,15 @@ class ModelMemoryRequest:
         per_param = {u.gathered is not None for u in specs}
         if len(per_param) != 1:
             raise ValueError("units: expected flat-parameter units or fully_shard units, not both")
-        if per_param == {True} and len(self.forward_reshards) != len(self.units):
+        if per_param == {True} and (
+            self.fully_shard is None or len(self.fully_shard.forward_reshards) != len(self.units)
+        ):
             raise ValueError(
-                f"forward_reshards: expected one bool per unit ({len(self.units)}) for fully_shard units, "
-                f"got {self.forward_reshards!r}"
+                f"fully_shard: expected PerUnitGathers with one forward_reshards bool per unit ({len(self.units)}) "
+                f"for fully_shard units, got {self.fully_shard!r}"
             )
-        if per_param == {False} and self.forward_reshards:
-            raise ValueError("forward_reshards: only fully_shard units (specs with gathered) take it")
+        if per_param == {False} and self.fully_shard is not None:
+            raise ValueError("fully_shard: only fully_shard units (specs with gathered) take it")
         if not 0 <= self.root < len(self.units):
             raise ValueError(f"root: expected a unit index below {len(self.units)}, got {self.root}")
         shardings = {dataclasses.replace(u.request.sharding, rank=0) for u in specs}
@@ -238,13 +241,13 @@ class ModelMemoryRequest:
         """The all-gather schedule's request from the trace's orders, as the shell records it on its
         first forward-backward (inside ``no_sync`` when accumulating)."""
         specs = [u for u in self.units if u is not None]
-        if specs[0].gathered is not None:
+        if self.fully_shard is not None:
             return per_param_unshard_request(
                 units=len(self.units),
                 root=self.root,
                 forward_order=tuple(u for u in self.trace.forward_order if self.units[u] is not None),
                 backward_order=tuple(u for u in self.trace.backward_order if self.units[u] is not None),
-                forward_reshards=self.forward_reshards,
+                gathers=self.fully_shard,
             )
         return unshard_request(
             units=len(self.units),

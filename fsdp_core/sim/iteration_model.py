@@ -30,7 +30,7 @@ from fsdp_core.sim.costs import CostModel
 from fsdp_core.sim.links import Link
 from fsdp_core.spec.config import BackwardPrefetch, HybridAllReduce, ShardingStrategy, StepFlags
 from fsdp_core.spec.layout import FlatParamLayout, ShardingSpec
-from fsdp_core.unshard.schedule import UnshardRequest, per_param_unshard_request, unshard_request
+from fsdp_core.unshard.schedule import PerUnitGathers, UnshardRequest, per_param_unshard_request, unshard_request
 
 __all__ = [
     "Activity",
@@ -389,7 +389,7 @@ def model_of_units(
     executor: Executor = Executor.STREAMS,
     event_check: bool = True,
     event_check_ms: float | None = None,
-    forward_reshards: tuple[bool, ...] = (),
+    fully_shard: PerUnitGathers | None = None,
 ) -> IterationModel:
     """The iteration of a model's real units (``fsdp_core.memory.UnitSpec``, as the wrapper
     builds them): each unit's post-backward plan (inside ``no_sync()`` when not ``sync``: no
@@ -405,7 +405,7 @@ def model_of_units(
     ones) every unit starts gathered (``IterationModel.gathered_at_start``): no all-gathers.
     ``event_check``: the backward ends with the shell's event check (``IterationModel.event_check``),
     as every backward the shell runs does, ``no_sync()`` ones included, costing ``event_check_ms``
-    when given. ``forward_reshards``: ``fully_shard`` units (``ModelMemoryRequest``'s), whose
+    when given. ``fully_shard``: ``fully_shard`` units' settings (``ModelMemoryRequest``'s), whose
     all-gathers are ``per_param_unshard_request``'s."""
     if len(compute_ms) != len(units):
         raise ValueError(f"compute_ms: expected one (forward, backward) per unit ({len(units)}), got {len(compute_ms)}")
@@ -413,13 +413,13 @@ def model_of_units(
     strategy = specs[0].request.sharding.strategy
     forward_order = tuple(u for u in trace.forward_order if units[u] is not None)
     backward_order = tuple(u for u in trace.backward_order if units[u] is not None)
-    if forward_reshards:
+    if fully_shard is not None:
         unshard = per_param_unshard_request(
             units=len(units),
             root=root,
             forward_order=forward_order,
             backward_order=backward_order,
-            forward_reshards=forward_reshards,
+            gathers=fully_shard,
         )
     else:
         unshard = unshard_request(

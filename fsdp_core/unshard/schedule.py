@@ -22,6 +22,7 @@ from fsdp_core.spec.events import Event, HookEvent
 __all__ = [
     "AwaitGather",
     "Gather",
+    "PerUnitGathers",
     "Reshard",
     "UnshardAction",
     "UnshardRequest",
@@ -470,22 +471,37 @@ def unshard_request(
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PerUnitGathers:
+    """What each ``fully_shard`` unit's own settings make of its all-gathers, by unit index:
+    whether it reshards after forward (``reshard_after_forward``; an int counts as True), whether
+    its post-backward and the end of backward reshard it (``reshard_after_backward``; empty: all
+    do), whether backward gathers it (``set_unshard_in_backward``; empty: all), and the units
+    its forward and backward prefetch (``set_modules_to_forward_prefetch``,
+    ``set_modules_to_backward_prefetch``; empty: none). The runtime
+    (``fsdp_shell.fsdp2.gathers``) and the models (memory, step time) take the schedule from it
+    through ``per_param_unshard_request``."""
+
+    forward_reshards: tuple[bool, ...]
+    backward_reshards: tuple[bool, ...] = ()
+    backward_gathers: tuple[bool, ...] = ()
+    forward_prefetches: tuple[tuple[int, ...], ...] = ()
+    backward_prefetches: tuple[tuple[int, ...], ...] = ()
+
+
 def per_param_unshard_request(
     *,
     units: int,
     root: int,
     forward_order: tuple[int, ...],
     backward_order: tuple[int, ...],
-    forward_reshards: tuple[bool, ...],
-    backward_reshards: tuple[bool, ...] = (),
-    backward_gathers: tuple[bool, ...] = (),
-    forward_prefetches: tuple[tuple[int, ...], ...] = (),
-    backward_prefetches: tuple[tuple[int, ...], ...] = (),
+    gathers: PerUnitGathers,
 ) -> UnshardRequest:
     """The request for one iteration of ``fully_shard`` units, as the shell runs it
-    (``fsdp_shell.fsdp2.gathers``) and the memory model predicts it: each unit's own reshard
-    settings, no implicit prefetch (only the explicit lists), every post-backward plan resharding
-    its unit unless ``backward_reshards`` says otherwise."""
+    (``fsdp_shell.fsdp2.gathers``) and the memory and step-time models predict it: each unit's
+    own settings (``gathers``), no implicit prefetch (only the explicit lists), every
+    post-backward plan resharding its unit unless ``gathers.backward_reshards`` says otherwise.
+    ``ValueError`` where ``gathers`` does not have one entry per unit."""
     return UnshardRequest(
         units=units,
         root=root,
@@ -495,9 +511,9 @@ def per_param_unshard_request(
         plan_reshards=True,
         reshard_at_end_of_backward=True,
         backward_prefetch=None,
-        forward_prefetches=forward_prefetches,
-        backward_prefetches=backward_prefetches,
-        forward_reshards=forward_reshards,
-        backward_reshards=backward_reshards,
-        backward_gathers=backward_gathers,
+        forward_prefetches=gathers.forward_prefetches,
+        backward_prefetches=gathers.backward_prefetches,
+        forward_reshards=gathers.forward_reshards,
+        backward_reshards=gathers.backward_reshards,
+        backward_gathers=gathers.backward_gathers,
     )

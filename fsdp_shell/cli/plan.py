@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         "groups of N ranks after forward, ZeRO++'s hpZ)",
     )
     model.add_argument(
+        "--explicit-prefetch",
+        action="store_true",
+        help="--api fully_shard: each block's forward prefetches the next block and its backward the one before "
+        "(set_modules_to_forward_prefetch / set_modules_to_backward_prefetch)",
+    )
+    model.add_argument(
         "--tflops", type=_positive_float, default=100.0, help="step time: sustained TFLOP/s per device (default 100)"
     )
     model.add_argument("--ranks-per-node", type=_positive, default=8, help="step time: ranks per node (default 8)")
@@ -474,6 +480,7 @@ def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel
         backend=str(args.backend),
         api=str(args.api),
         reshard_after_forward=args.reshard_after_forward,
+        explicit_prefetch=args.explicit_prefetch,
     )
     return prediction, loaded
 

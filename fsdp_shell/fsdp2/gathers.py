@@ -26,6 +26,7 @@ from fsdp_core import (
     Event,
     Gather,
     HookEvent,
+    PerUnitGathers,
     Reshard,
     UnshardRequest,
     UnshardSchedule,
@@ -83,11 +84,7 @@ class GatherRunner:
         """The schedule request of the next iteration: the recorded orders and every unit's
         settings now."""
         states = self.states
-        return per_param_unshard_request(
-            units=len(states),
-            root=self._root,
-            forward_order=self._orders[0],
-            backward_order=self._orders[1],
+        gathers = PerUnitGathers(
             forward_reshards=tuple(s.reshards_after_forward for s in states),
             backward_reshards=tuple(s.reshards_after_backward for s in states),
             backward_gathers=tuple(s.gathers_for_backward for s in states),
@@ -95,6 +92,13 @@ class GatherRunner:
             backward_prefetches=self._lists(
                 "set_modules_to_backward_prefetch", [s.backward_prefetches for s in states]
             ),
+        )
+        return per_param_unshard_request(
+            units=len(states),
+            root=self._root,
+            forward_order=self._orders[0],
+            backward_order=self._orders[1],
+            gathers=gathers,
         )
 
     def _lists(self, setter: str, lists: list[tuple[GatherUnit, ...]]) -> tuple[tuple[int, ...], ...]:

@@ -16,6 +16,7 @@ weights (nothing is downloaded) and need ``transformers`` (``pip install -e ".[h
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass
@@ -95,6 +96,9 @@ class Config:
     reshard_after_forward: int | None = None
     """``fully_shard`` only: every call's ``reshard_after_forward``, an int for resharding to
     groups of that many ranks after forward (ZeRO++'s hpZ); None: as ``strategy`` says."""
+    explicit_prefetch: bool = False
+    """``fully_shard`` only: each block's forward prefetches the next block, its backward the
+    one before (``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``)."""
 
     def __post_init__(self) -> None:
         for field, allowed in (
@@ -257,9 +261,14 @@ def shard_per_block(impl: Impl, cfg: Config, mesh: DeviceMesh | None = None) -> 
         reshard = cfg.reshard_after_forward
     offload = CPUOffloadPolicy(pin_memory=False) if cfg.offload else OffloadPolicy()
     shard = fully_shard if impl == "ours_fully_shard" else torch_fully_shard
-    for m in [m for m in module.modules() if isinstance(m, block)]:
+    blocks = [m for m in module.modules() if isinstance(m, block)]
+    for m in blocks:
         shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    if cfg.explicit_prefetch:
+        for a, b in itertools.pairwise(blocks):
+            a.set_modules_to_forward_prefetch([b])  # type: ignore[operator]  # FSDPModule's (both libraries')
+            b.set_modules_to_backward_prefetch([a])  # type: ignore[operator]  # FSDPModule's (both libraries')
     return module
 
 
@@ -273,6 +282,8 @@ def wrap(impl: Impl, cfg: Config) -> FullyShardedDataParallel | TorchFSDP:
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    if cfg.explicit_prefetch or cfg.reshard_after_forward is not None:
+        raise ValueError(f"cfg: {impl} has no explicit_prefetch or reshard_after_forward (fully_shard's)")
     module, block = model_of(cfg)
     mesh = None
     if cfg.shard_size is not None:

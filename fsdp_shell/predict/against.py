@@ -47,6 +47,7 @@ def predict(cfg: Config, api: str = "fsdp1") -> Prediction:
         backend="gloo",
         api=api,
         reshard_after_forward=cfg.reshard_after_forward,
+        explicit_prefetch=cfg.explicit_prefetch,
     )
 
 

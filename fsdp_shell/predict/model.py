@@ -12,6 +12,7 @@ cuBLAS workspaces).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_core import BackendCaps, Division, PerParamLayout, ShardingSpec
+from fsdp_core import BackendCaps, Division, PerParamLayout, PerUnitGathers, ShardingSpec
 from fsdp_core.memory import Executor
 from fsdp_core.memory.activation_trace import ActivationTrace
 from fsdp_core.memory.allocator import CUDA_CACHING, EXACT, Allocator
@@ -68,8 +69,8 @@ class Prediction:
     accumulate: int
     api: str = "fsdp1"
     """``predict_memory``'s: ``fsdp1`` or ``fully_shard``."""
-    forward_reshards: tuple[bool, ...] = ()
-    """``fully_shard``: per unit, whether it reshards after forward (``ModelMemoryRequest``'s)."""
+    fully_shard: PerUnitGathers | None = None
+    """``fully_shard``: what each unit's settings make of its all-gathers (``ModelMemoryRequest``'s)."""
 
     @property
     def worst_rank(self) -> int:
@@ -102,6 +103,7 @@ def predict_memory(
     workspace: int | None = None,
     api: str = "fsdp1",
     reshard_after_forward: bool | int | None = None,
+    explicit_prefetch: bool = False,
 ) -> Prediction:
     """Every shard rank's bytes by phase for training ``module`` with these arguments (FSDP's
     constructor's, meaning the same) on ``world_size`` ranks, no process group made: each step
@@ -116,7 +118,9 @@ def predict_memory(
     ``module``, as FSDP2 scripts do (``_predict_fully_shard``): the strategy picks the mesh (a
     hybrid one: (replicate, shard) with ``shard_size``) and whether blocks reshard after forward
     (the ZeRO-2 ones: not), ``reshard_after_forward`` (every call's, an int for hpZ) overriding
-    it; ``mixed_precision`` gives ``MixedPrecisionPolicy``'s ``param_dtype`` and
+    it; ``explicit_prefetch``: each block's forward prefetches the next block and its backward the
+    one before (``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``, as
+    torchtitan sets them); ``mixed_precision`` gives ``MixedPrecisionPolicy``'s ``param_dtype`` and
     ``reduce_dtype``, ``cpu_offload`` ``CPUOffloadPolicy``. ``NO_SHARD``, ``use_orig_params``,
     ``forward_prefetch``, a ``backward_prefetch`` (``fully_shard`` has none implicit) and
     ``hybrid_all_reduce`` are refused by name."""
@@ -149,6 +153,7 @@ def predict_memory(
             world_size=world_size,
             shard_size=shard_size,
             reshard_after_forward=reshard_after_forward,
+            explicit_prefetch=explicit_prefetch,
             accumulate=accumulate,
             backend=backend,
             workspace=workspace,
@@ -161,6 +166,10 @@ def predict_memory(
         )
     if reshard_after_forward is not None:
         raise ValueError("reshard_after_forward: only api='fully_shard' takes it; FSDP1's strategy decides")
+    if explicit_prefetch:
+        raise ValueError(
+            "explicit_prefetch: only api='fully_shard' takes it; FSDP1's are backward_prefetch and forward_prefetch"
+        )
     sharding = ShardingSpec.for_world(options.strategy, world_size, shard_size)
     division = Division(policy=options.division_policy, backend=BackendCaps.for_backend(backend))
     gloo = backend == "gloo"
@@ -313,7 +322,7 @@ def predict_time(
                 forward_prefetch=prediction.options.forward_prefetch,
                 sync=sync,
                 follows_no_sync=follows_no_sync,
-                forward_reshards=prediction.forward_reshards,
+                fully_shard=prediction.fully_shard,
             )
         )
 
@@ -336,6 +345,7 @@ def _predict_fully_shard(
     world_size: int,
     shard_size: int | None,
     reshard_after_forward: bool | int | None,
+    explicit_prefetch: bool,
     accumulate: int,
     backend: str,
     workspace: int | None,
@@ -435,7 +445,17 @@ def _predict_fully_shard(
             )
         )
     root = len(units) - 1
-    forward_reshards = tuple(reshards_after_forward(value, index == root) for index in range(len(units)))
+    owning = [i for i, u in enumerate(units[:root]) if u is not None]
+    forward: list[tuple[int, ...]] = [()] * len(units)
+    backward: list[tuple[int, ...]] = [()] * len(units)
+    if explicit_prefetch:  # each block prefetches the next one in forward, the one before in backward
+        for a, b in itertools.pairwise(owning):
+            forward[a], backward[b] = (b,), (a,)
+    gathers = PerUnitGathers(
+        forward_reshards=tuple(reshards_after_forward(value, index == root) for index in range(len(units))),
+        forward_prefetches=tuple(forward) if any(forward) else (),
+        backward_prefetches=tuple(backward) if any(backward) else (),
+    )
     trace = record_trace_per_param(module, trace_units, step, param_dtype=mp.param_dtype, block=allocator.block)
     accumulating = None
     if accumulate > 1 and any(t.restores for t in trace_units):
@@ -458,7 +478,7 @@ def _predict_fully_shard(
                 allocator=allocator,
                 buffers=_buffer_bytes(module, None, allocator),
                 workspace=workspace,
-                forward_reshards=forward_reshards,
+                fully_shard=gathers,
                 accumulating_trace=accumulating,
             )
         )
@@ -475,5 +495,5 @@ def _predict_fully_shard(
         optimizer=spec,
         accumulate=accumulate,
         api="fully_shard",
-        forward_reshards=forward_reshards,
+        fully_shard=gathers,
     )

@@ -121,9 +121,10 @@ def _api(p: Prediction) -> str:
     if p.api == "fully_shard":
         sizes = {u.post_forward_ranks for u in p.units if u is not None} - {0}
         resharding = [f"groups of {n} ranks" for n in sorted(sizes)] or [
-            "every block" if any(p.forward_reshards[:-1]) else "no unit"
+            "every block" if p.fully_shard is not None and any(p.fully_shard.forward_reshards[:-1]) else "no unit"
         ]
-        return f"fully_shard on each block, then the root; reshard after forward: {', '.join(resharding)}"
+        lists = "; explicit prefetch" if p.fully_shard is not None and p.fully_shard.forward_prefetches else ""
+        return f"fully_shard on each block, then the root; reshard after forward: {', '.join(resharding)}{lists}"
     prefetch = o.backward_prefetch.name if o.backward_prefetch else None
     return f"use_orig_params {o.use_orig_params}; backward_prefetch {prefetch}; forward_prefetch {o.forward_prefetch}"
 

@@ -19,6 +19,7 @@ from fsdp_core import (
     HookEvent,
     MixedPrecision,
     PerParamLayout,
+    PerUnitGathers,
     PlanRequest,
     ShardingSpec,
     ShardingStrategy,
@@ -311,7 +312,7 @@ def test_a_fully_shard_units_gather_holds_its_buffer_and_its_parameters_at_once(
             optimizer=OptimizerSpec(kind=OptimizerKind.SGD),
             executor=Executor.STREAMS,
             backward_prefetch=None,
-            forward_reshards=(True, False),
+            fully_shard=PerUnitGathers(forward_reshards=(True, False)),
         )
     )
     forward = m.phase_peak(Phase.FORWARD)
@@ -343,10 +344,12 @@ def test_a_fully_shard_unit_knows_its_padded_shards_frozen_parameters_and_restor
         UnitSpec(request=unit.request, gathered=unit.gathered)
     with pytest.raises(ValueError, match="gathered: a per-parameter unit needs"):
         UnitSpec(request=unit.request)
-    with pytest.raises(ValueError, match="forward_reshards: expected one bool per unit"):
+    with pytest.raises(ValueError, match="fully_shard: expected PerUnitGathers with one forward_reshards bool"):
         ModelMemoryRequest(units=(unit,), root=0, trace=TRACE_ONE_UNIT)
     with pytest.raises(ValueError, match="not both"):
-        ModelMemoryRequest(units=(unit, _unit(30, "")), root=1, trace=TRACE, forward_reshards=(True, False))
+        ModelMemoryRequest(
+            units=(unit, _unit(30, "")), root=1, trace=TRACE, fully_shard=PerUnitGathers(forward_reshards=(True, False))
+        )
 
 
 TRACE_ONE_UNIT = ActivationTrace(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_core import Event, HookEvent, MixedPrecision
+from fsdp_core import Event, HookEvent, MixedPrecision, PerUnitGathers
 from fsdp_core.memory import Category, Mark, Phase
 from fsdp_core.sim import Activity, Link
 from fsdp_shell.cli.plan import main
@@ -255,7 +255,9 @@ def test_fully_shards_trace_reduces_a_unit_once_its_inputs_gradients_are_done() 
     ]
     taken = {p.at.unit: p.taken for p in prediction.trace.points if p.taken and isinstance(p.at, HookEvent)}
     assert taken == {0: 1088, 1: 1088, 2: 272}
-    assert prediction.api == "fully_shard" and prediction.forward_reshards == (True, True, False)
+    assert prediction.api == "fully_shard" and prediction.fully_shard == PerUnitGathers(
+        forward_reshards=(True, True, False)
+    )
 
 
 def silu_net() -> nn.Module:
@@ -332,3 +334,35 @@ def test_hpz_gathers_backward_inside_a_node_for_memory() -> None:
         predict_memory(model, step, world_size=2, reshard_after_forward=2)
     with pytest.raises(ValueError, match="api: expected one of"):
         predict_memory(model, step, world_size=2, api="fsdp3")
+
+
+def test_fsdp_plan_model_api_fully_shard(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--api fully_shard``: the header names it and its options; what it has no form of is one
+    line on stderr naming the flag."""
+    argv = [
+        "--model",
+        "llama-tiny",
+        "--world-size",
+        "4",
+        "--backend",
+        "gloo",
+        "--batch-size",
+        "2",
+        "--api",
+        "fully_shard",
+    ]
+    assert main([*argv, "--reshard-after-forward", "2", "--explicit-prefetch"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "fully_shard on each block, then the root; reshard after forward: groups of 2 ranks; explicit prefetch" in out
+    )
+    assert "step time, modeled" in out
+    assert main([*argv, "--use-orig-params"]) == 2
+    assert "use_orig_params: fully_shard has no such option" in capsys.readouterr().err
+    assert main([*argv, "--reshard-after-forward", "3"]) == 2
+    assert (
+        "reshard_after_forward: expected a bool or a factor of the shard group's size (4), got 3"
+        in capsys.readouterr().err
+    )
+    assert main(["--model", "llama-tiny", "--explicit-prefetch"]) == 2
+    assert "explicit_prefetch: only api='fully_shard' takes it" in capsys.readouterr().err

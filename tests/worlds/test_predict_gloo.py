@@ -37,10 +37,11 @@ FULLY_SHARD_CASES = {
     "mlp-hsdp-no_reshard-bf16": Config("HYBRID_SHARD_ZERO2", bf16=True),
     "demo-hsdp-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),
     "gpt2-3ranks": Config("FULL_SHARD", model="gpt2", ranks=3),
+    "mlp-prefetch-hpz2-bf16": Config("FULL_SHARD", ranks=4, explicit_prefetch=True, reshard_after_forward=2, bf16=True),
 }
 """``fully_shard`` on every block, then the root (``predict_memory(..., api="fully_shard")``):
 kept ``no_sync`` gradients restored into ``.grad`` (fp32) or carried in the reduce dtype (bf16),
-hpZ, HSDP without resharding, uneven shards with tied embeddings."""
+hpZ, HSDP without resharding, uneven shards with tied embeddings, explicit prefetch lists."""
 
 
 @pytest.mark.parametrize("name", list(CASES))
