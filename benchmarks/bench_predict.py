@@ -72,6 +72,16 @@ CONFIGS: dict[str, Config] = {
 }
 
 
+SYNC_EVERY_MICRO_CONFIGS: dict[str, Config] = {
+    "mlp-full_shard-sync_every_micro": Config("FULL_SHARD", accumulate=2, sync_every_micro=True),
+    "mlp-full_shard-orig-bf16-sync_every_micro3": Config(
+        "FULL_SHARD", orig=True, bf16=True, accumulate=3, sync_every_micro=True
+    ),
+    "mlp-shard_grad_op-sync_every_micro": Config("SHARD_GRAD_OP", accumulate=2, sync_every_micro=True),
+}
+"""The FSDP1 API accumulating without ``no_sync()`` (``predict_memory(..., no_sync=False)``); apart
+from ``CONFIGS``, which ``bench_step_time.py`` also runs."""
+
 FULLY_SHARD_CONFIGS: dict[str, Config] = {
     f"fully_shard:{name}": cfg
     for name, cfg in {
@@ -98,6 +108,8 @@ FULLY_SHARD_CONFIGS: dict[str, Config] = {
             "FULL_SHARD", ranks=4, explicit_prefetch=True, reshard_after_forward=2, bf16=True
         ),
         "mlp-hsdp-prefetch": Config("HYBRID_SHARD", explicit_prefetch=True),
+        "mlp-sync_every_micro": Config("FULL_SHARD", accumulate=2, sync_every_micro=True),
+        "mlp-hsdp-bf16-sync_every_micro3": Config("HYBRID_SHARD", bf16=True, accumulate=3, sync_every_micro=True),
         "demo": Config("FULL_SHARD", model="demo"),
         "demo-bf16": Config("FULL_SHARD", model="demo", bf16=True),
         "demo-hsdp-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),
@@ -117,7 +129,7 @@ FULLY_SHARD_CONFIGS: dict[str, Config] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    known = {**CONFIGS, **FULLY_SHARD_CONFIGS}
+    known = {**CONFIGS, **SYNC_EVERY_MICRO_CONFIGS, **FULLY_SHARD_CONFIGS}
     parser.add_argument("--configs", default=",".join(known), help="comma-separated names")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(

@@ -21,7 +21,7 @@ Two sides make up what a rank holds while it trains:
 ``model_memory`` walks one training step through both in program order: each hook's FSDP
 actions at the autograd bytes when it fires, then the autograd peak until the next hook over
 what FSDP holds after it. A step is ``accumulate`` forward-backwards (all but the last inside
-``no_sync``), an optimizer step and ``zero_grad(set_to_none=True)``; the figures are those of
+``no_sync``, or all reducing), an optimizer step and ``zero_grad(set_to_none=True)``; the figures are those of
 the steady state (a second step, the optimizer's state made by the first). Everything is for
 the rank the units' ``ShardingSpec`` names (``for_rank``); padding makes ranks differ.
 """
@@ -186,7 +186,11 @@ class ModelMemoryRequest:
     """The order in which the optimizer steps its tensors (``optimized_tensors``); None: units in
     order."""
     accumulate: int = 1
-    """Forward-backwards per optimizer step; all but the last inside ``no_sync()``."""
+    """Forward-backwards per optimizer step; all but the last inside ``no_sync()`` (``no_sync``)."""
+    no_sync: bool = True
+    """False: every forward-backward of the step reduces, the later ones accumulating into the
+    reduced gradient the one before left (gradient accumulation without ``no_sync()``, as
+    torchtitan accumulates)."""
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
     executor: Executor = Executor.STREAMS
@@ -227,6 +231,8 @@ class ModelMemoryRequest:
             raise ValueError("units: every unit needs the same sharding and rank")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate: expected an int >= 1, got {self.accumulate!r}")
+        if self.accumulating_trace is not None and not self.no_sync:
+            raise ValueError("accumulating_trace: only for forward-backwards after one inside no_sync (no_sync=True)")
         if not isinstance(self.workspace, int) or isinstance(self.workspace, bool) or self.workspace < 0:
             raise ValueError(f"workspace: expected an int >= 0 (bytes), got {self.workspace!r}")
         for unit in (*self.trace.forward_order, *self.trace.backward_order):
@@ -256,7 +262,7 @@ class ModelMemoryRequest:
             backward_order=tuple(u for u in self.trace.backward_order if self.units[u] is not None),
             strategy=specs[0].request.sharding.strategy,
             low_precision=any(u.request.compute_dtype != u.request.layout.dtype for u in specs),
-            sync_gradients=self.accumulate == 1,
+            sync_gradients=self.accumulate == 1 or not self.no_sync,
             backward_prefetch=self.backward_prefetch,
             forward_prefetch=self.forward_prefetch,
         )
@@ -444,7 +450,7 @@ class _StepWalk:
         self.recording = record
         self.peaks = {}
         for micro in range(self.r.accumulate):
-            self.forward_backward(micro, sync=micro == self.r.accumulate - 1)
+            self.forward_backward(micro, sync=micro == self.r.accumulate - 1 or not self.r.no_sync)
         last = self.r.trace.points[-1].live
         self.optimizer_state = self.state_bytes
         self.note(Phase.OPTIMIZER, -1, None, self.breakdown(last, optimizer_step=self.step_bytes))

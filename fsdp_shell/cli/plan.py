@@ -260,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-accum", type=_positive, default=1, help="backwards per step; all but the last in no_sync()"
     )
     model.add_argument(
+        "--sync-every-micro-batch",
+        action="store_true",
+        help="with --grad-accum: every backward reduces, the later ones accumulating into the reduced gradient "
+        "(no no_sync())",
+    )
+    model.add_argument(
         "--reshard-after-forward",
         type=_reshard_after_forward,
         default=None,
@@ -477,6 +483,7 @@ def predict_from_args(args: argparse.Namespace) -> tuple[Prediction, LoadedModel
         hybrid_all_reduce=str(args.hybrid_all_reduce),
         optimizer=str(args.optimizer),
         accumulate=args.grad_accum,
+        no_sync=not args.sync_every_micro_batch,
         backend=str(args.backend),
         api=str(args.api),
         reshard_after_forward=args.reshard_after_forward,

@@ -68,7 +68,7 @@ def train_measured(cfg: Config, impl: Impl, *, rank: int, steps: int, around: Ar
         with contextlib.nullcontext() if around is None else around(live, model):  # type: ignore[arg-type]  # FSDP1 models only take one
             for step in range(steps):
                 for micro in range(cfg.accumulate):
-                    sync = micro == cfg.accumulate - 1
+                    sync = micro == cfg.accumulate - 1 or cfg.sync_every_micro
                     with contextlib.nullcontext() if sync else _no_sync(model, per_block):
                         with live.phase("forward"):
                             loss = loss_of(model, cfg, rank, step)

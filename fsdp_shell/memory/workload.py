@@ -96,6 +96,9 @@ class Config:
     reshard_after_forward: int | None = None
     """``fully_shard`` only: every call's ``reshard_after_forward``, an int for resharding to
     groups of that many ranks after forward (ZeRO++'s hpZ); None: as ``strategy`` says."""
+    sync_every_micro: bool = False
+    """With ``accumulate``: every backward reduces, the later ones accumulating into the reduced
+    gradient the one before left (no ``no_sync()``)."""
     explicit_prefetch: bool = False
     """``fully_shard`` only: each block's forward prefetches the next block, its backward the
     one before (``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``)."""

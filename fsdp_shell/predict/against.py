@@ -44,6 +44,7 @@ def predict(cfg: Config, api: str = "fsdp1") -> Prediction:
         hybrid_all_reduce=cfg.hybrid_all_reduce,
         optimizer=cfg.optimizer,
         accumulate=cfg.accumulate,
+        no_sync=not cfg.sync_every_micro,
         backend="gloo",
         api=api,
         reshard_after_forward=cfg.reshard_after_forward,

@@ -67,6 +67,8 @@ class Prediction:
     backend: str
     optimizer: OptimizerSpec
     accumulate: int
+    no_sync: bool = True
+    """``predict_memory``'s: False, every forward-backward of the step reduces."""
     api: str = "fsdp1"
     """``predict_memory``'s: ``fsdp1`` or ``fully_shard``."""
     fully_shard: PerUnitGathers | None = None
@@ -99,6 +101,7 @@ def predict_memory(
     hybrid_all_reduce: object = "async",
     optimizer: OptimizerKind | str = OptimizerKind.ADAMW,
     accumulate: int = 1,
+    no_sync: bool = True,
     backend: str = "nccl",
     workspace: int | None = None,
     api: str = "fsdp1",
@@ -108,7 +111,8 @@ def predict_memory(
     """Every shard rank's bytes by phase for training ``module`` with these arguments (FSDP's
     constructor's, meaning the same) on ``world_size`` ranks, no process group made: each step
     ``accumulate`` forward-backwards (``step`` makes the inputs and returns the loss; all but
-    the last inside ``no_sync()``), ``optimizer.step()`` and ``zero_grad()``. ``workspace``: the
+    the last inside ``no_sync()``, or with ``no_sync=False`` every one reducing, the later ones
+    accumulating into the reduced gradient), ``optimizer.step()`` and ``zero_grad()``. ``workspace``: the
     bytes the GPU's math libraries keep (``Category.WORKSPACE``); None: torch's defaults
     (``cuda_workspaces``) for this machine's GPU, or for an H100/H200 where there is none, under
     this environment; none with ``backend="gloo"``. ``ValueError`` / ``TypeError`` naming a bad
@@ -155,6 +159,7 @@ def predict_memory(
             reshard_after_forward=reshard_after_forward,
             explicit_prefetch=explicit_prefetch,
             accumulate=accumulate,
+            no_sync=no_sync,
             backend=backend,
             workspace=workspace,
             refused={
@@ -204,6 +209,7 @@ def predict_memory(
                 optimizer=spec,
                 optimizer_order=order,
                 accumulate=accumulate,
+                no_sync=no_sync,
                 backward_prefetch=options.backward_prefetch,
                 forward_prefetch=options.forward_prefetch,
                 executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
@@ -224,6 +230,7 @@ def predict_memory(
         backend=backend,
         optimizer=spec,
         accumulate=accumulate,
+        no_sync=no_sync,
     )
 
 
@@ -289,13 +296,16 @@ class StepTime:
     accumulate: int
     flops_per_second: float
     cost: CostModel
+    synchronising: int = 1
+    """How many forward-backwards of the step reduce, each timed as ``sync``: all of them with
+    ``no_sync=False`` (the later ones' adds into the reduced gradient left out)."""
 
     @property
     def step_ms(self) -> float:
         """The whole step: every forward-backward of the accumulation window."""
         first = 0.0 if self.no_sync is None else self.no_sync.iteration_ms
         again = 0.0 if self.no_sync_again is None else self.no_sync_again.iteration_ms
-        return first + max(0, self.accumulate - 2) * again + self.sync.iteration_ms
+        return first + max(0, self.accumulate - 2) * again + self.synchronising * self.sync.iteration_ms
 
 
 def predict_time(
@@ -326,6 +336,16 @@ def predict_time(
             )
         )
 
+    if not prediction.no_sync:  # every forward-backward reduces
+        return StepTime(
+            no_sync=None,
+            no_sync_again=None,
+            sync=iteration(True, False),
+            accumulate=accumulate,
+            flops_per_second=flops_per_second,
+            cost=cost,
+            synchronising=accumulate,
+        )
     return StepTime(
         no_sync=iteration(False, False) if accumulate > 1 else None,
         no_sync_again=iteration(False, True) if accumulate > 2 else None,
@@ -347,6 +367,7 @@ def _predict_fully_shard(
     reshard_after_forward: bool | int | None,
     explicit_prefetch: bool,
     accumulate: int,
+    no_sync: bool,
     backend: str,
     workspace: int | None,
     refused: dict[str, bool],
@@ -458,7 +479,7 @@ def _predict_fully_shard(
     )
     trace = record_trace_per_param(module, trace_units, step, param_dtype=mp.param_dtype, block=allocator.block)
     accumulating = None
-    if accumulate > 1 and any(t.restores for t in trace_units):
+    if accumulate > 1 and no_sync and any(t.restores for t in trace_units):  # kept no_sync gradients in .grad
         accumulating = record_trace_per_param(
             module, trace_units, step, param_dtype=mp.param_dtype, accumulating=True, block=allocator.block
         )
@@ -473,6 +494,7 @@ def _predict_fully_shard(
                 optimizer=spec,
                 optimizer_order=order,
                 accumulate=accumulate,
+                no_sync=no_sync,
                 backward_prefetch=None,
                 executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
                 allocator=allocator,
@@ -494,6 +516,7 @@ def _predict_fully_shard(
         backend=backend,
         optimizer=spec,
         accumulate=accumulate,
+        no_sync=no_sync,
         api="fully_shard",
         fully_shard=gathers,
     )

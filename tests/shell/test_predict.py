@@ -366,3 +366,34 @@ def test_fsdp_plan_model_api_fully_shard(capsys: pytest.CaptureFixture[str]) -> 
     )
     assert main(["--model", "llama-tiny", "--explicit-prefetch"]) == 2
     assert "explicit_prefetch: only api='fully_shard' takes it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("api", ["fsdp1", "fully_shard"])
+def test_accumulating_without_no_sync_carries_reduced_shards(api: str) -> None:
+    """``no_sync=False``: every backward reduces, so the second forward of a step starts with the
+    first backward's reduced shards (half of each gradient on 2 ranks), where ``no_sync()`` keeps
+    whole unsharded gradients; the step time is two synchronising iterations."""
+    with torch.device("meta"):
+        model = net()
+
+    def carried(no_sync: bool) -> tuple[int, Prediction]:
+        p = predict_memory(
+            model,
+            step,
+            world_size=2,
+            auto_wrap_policy={Layer},
+            backend="gloo",
+            api=api,
+            backward_prefetch=None,
+            accumulate=2,
+            no_sync=no_sync,
+        )
+        second_forward = next(pk for pk in p.worst.peaks if pk.phase is Phase.FORWARD and pk.micro == 1)
+        return second_forward.breakdown[Category.GRADS_CARRIED], p
+
+    kept, _ = carried(True)
+    shards, prediction = carried(False)
+    assert 0 < shards < kept
+    assert shards == (1088 + 1088 + 272) // 2
+    time = predict_time(prediction, flops_per_second=1e12)
+    assert time.no_sync is None and time.step_ms == pytest.approx(2 * time.sync.iteration_ms)

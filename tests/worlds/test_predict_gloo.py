@@ -23,6 +23,9 @@ CASES = {
     "mlp-full_shard-no_prefetch-forward_prefetch": Config(
         "FULL_SHARD", backward_prefetch="none", forward_prefetch=True
     ),
+    "mlp-full_shard-orig-bf16-sync_every_micro3": Config(
+        "FULL_SHARD", orig=True, bf16=True, accumulate=3, sync_every_micro=True
+    ),
     "demo-full_shard": Config("FULL_SHARD", model="demo"),
     "gpt2-full_shard-bf16-orig": Config("FULL_SHARD", model="gpt2", bf16=True, orig=True),
     "llama-hybrid_shard_zero2-orig-sgd_momentum": Config(
@@ -38,6 +41,7 @@ FULLY_SHARD_CASES = {
     "demo-hsdp-bf16-no_sync": Config("HYBRID_SHARD", model="demo", bf16=True, accumulate=2),
     "gpt2-3ranks": Config("FULL_SHARD", model="gpt2", ranks=3),
     "mlp-prefetch-hpz2-bf16": Config("FULL_SHARD", ranks=4, explicit_prefetch=True, reshard_after_forward=2, bf16=True),
+    "mlp-sync_every_micro": Config("FULL_SHARD", accumulate=2, sync_every_micro=True),
 }
 """``fully_shard`` on every block, then the root (``predict_memory(..., api="fully_shard")``):
 kept ``no_sync`` gradients restored into ``.grad`` (fp32) or carried in the reduce dtype (bf16),
