@@ -76,8 +76,12 @@ class _Points:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         if has_params and index not in self.unsharded_for_backward:
             self.unsharded_for_backward.add(index)
-            self.point(HookEvent(Event.PRE_BACKWARD, index))
+            self.unit_pre_backward(index)
         return grad
+
+    def unit_pre_backward(self, index: int) -> None:
+        """Unit ``index``'s pre-backward hook, once per backward."""
+        self.point(HookEvent(Event.PRE_BACKWARD, index))
 
     def end_backward(self) -> None:
         """The end-of-backward callback."""
@@ -435,17 +439,12 @@ class _PerParamRecorder(_Recorder):
         self.inputs_pending: dict[int, int] = {}
         self.reduced: set[int] = set()
 
-    def pre_backward(self, index: int, has_params: bool, grad: torch.Tensor) -> torch.Tensor:
-        if not self.backward_started:
-            self.backward_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
-        if has_params and index not in self.unsharded_for_backward:
-            self.unsharded_for_backward.add(index)
-            restored = self.kept.pop(index, [])
-            for p, g in zip([p for p in self.params[index] if p.requires_grad], restored):
-                p.grad = g
-            self.point(HookEvent(Event.PRE_BACKWARD, index), arrived=restored)
-        return grad
+    def unit_pre_backward(self, index: int) -> None:
+        """Kept ``no_sync`` gradients go back into ``.grad`` first (``ParamGroup.restore_pending``)."""
+        restored = self.kept.pop(index, [])
+        for p, g in zip([p for p in self.params[index] if p.requires_grad], restored):
+            p.grad = g
+        self.point(HookEvent(Event.PRE_BACKWARD, index), arrived=restored)
 
     def grad_arrived(self, index: int) -> None:
         self.arrived[index] = self.arrived.get(index, 0) + 1

@@ -85,22 +85,32 @@ def slowed(stream: Stream | None) -> Iterator[None]:
             setattr(AcceleratorRuntime, name, method)
 
 
-def run_part(rank: int, world: int, arg: tuple[tuple[Case, ...], Stream | None]) -> dict[str, str]:
-    """Each case in turn on this rank: '' when it matches the reference, else the failure."""
-    cases, slow = arg
+def _each_case(
+    cases: tuple[Any, ...], slow: Stream | None, name: Callable[[Any], str], check: Callable[[Any], str]
+) -> dict[str, str]:
+    """``check`` of each case in turn on this rank (device 0), one side stream ``slow``: its
+    problem, '' for none, or the failure; stops at the first failure."""
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     results = {}
     with slowed(slow):
         for case in cases:
             try:
-                outcome = run_case(rank, world, case)
-                check_outcomes(case, [outcome])
-                results[case.name] = ""
+                results[name(case)] = check(case)
             except Exception as error:  # noqa: BLE001  (reported per case; the summary names it)
-                results[case.name] = traceback.format_exception_only(error)[-1].strip()
+                results[name(case)] = traceback.format_exception_only(error)[-1].strip()
                 break
     return results
+
+
+def run_part(rank: int, world: int, arg: tuple[tuple[Case, ...], Stream | None]) -> dict[str, str]:
+    """Each case in turn on this rank: '' when it matches the reference, else the failure."""
+
+    def check(case: Case) -> str:
+        check_outcomes(case, [run_case(rank, world, case)])
+        return ""
+
+    return _each_case(arg[0], arg[1], lambda c: str(c.name), check)
 
 
 def run_fully_shard_part(
@@ -108,19 +118,12 @@ def run_fully_shard_part(
 ) -> dict[str, str]:
     """Each ``fully_shard`` case in turn on this rank against PyTorch's ``fully_shard`` trained
     alike in the same world: '' when they agree, else the first problem or failure."""
-    cases, slow = arg
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-    results = {}
-    with slowed(slow):
-        for case in cases:
-            try:
-                problems = train_against_fsdp2(rank, world, case)
-                results[case.id] = problems[0] if problems else ""
-            except Exception as error:  # noqa: BLE001  (reported per case; the summary names it)
-                results[case.id] = traceback.format_exception_only(error)[-1].strip()
-                break
-    return results
+
+    def check(case: FullyShardCase) -> str:
+        problems = train_against_fsdp2(rank, world, case)
+        return problems[0] if problems else ""
+
+    return _each_case(arg[0], arg[1], lambda c: str(c.id), check)
 
 
 def fully_shard_cases(world: int, device: str, quick: bool) -> tuple[FullyShardCase, ...]:
