@@ -12,6 +12,7 @@ cuBLAS workspaces).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Sequence
@@ -200,25 +201,23 @@ def predict_memory(
     buffers = _buffer_bytes(module, options.mixed_precision.buffer_dtype, allocator)
     order = _optimizer_order(module, sites, owned, options.use_orig_params)
     spec = OptimizerSpec(kind=kind, foreach=not gloo)
-    ranks = tuple(
-        model_memory(
-            ModelMemoryRequest(
-                units=for_rank(units, rank),
-                root=len(units) - 1,
-                trace=trace,
-                optimizer=spec,
-                optimizer_order=order,
-                accumulate=accumulate,
-                no_sync=no_sync,
-                backward_prefetch=options.backward_prefetch,
-                forward_prefetch=options.forward_prefetch,
-                executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
-                allocator=allocator,
-                buffers=buffers,
-                workspace=workspace,
-            )
-        )
-        for rank in range(sharding.num_shards)
+    ranks = _every_rank(
+        ModelMemoryRequest(
+            units=units,
+            root=len(units) - 1,
+            trace=trace,
+            optimizer=spec,
+            optimizer_order=order,
+            accumulate=accumulate,
+            no_sync=no_sync,
+            backward_prefetch=options.backward_prefetch,
+            forward_prefetch=options.forward_prefetch,
+            executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
+            allocator=allocator,
+            buffers=buffers,
+            workspace=workspace,
+        ),
+        sharding.num_shards,
     )
     return Prediction(
         units=units,
@@ -231,6 +230,13 @@ def predict_memory(
         optimizer=spec,
         accumulate=accumulate,
         no_sync=no_sync,
+    )
+
+
+def _every_rank(request: ModelMemoryRequest, shards: int) -> tuple[ModelMemory, ...]:
+    """``model_memory`` of ``request`` (its units seen from shard rank 0) for each shard rank."""
+    return tuple(
+        model_memory(dataclasses.replace(request, units=for_rank(request.units, rank))) for rank in range(shards)
     )
 
 
@@ -485,26 +491,24 @@ def _predict_fully_shard(
         )
     order = tuple(where[id(p)] for p in module.parameters() if id(p) in where)
     spec = OptimizerSpec(kind=kind, foreach=not gloo)
-    ranks = tuple(
-        model_memory(
-            ModelMemoryRequest(
-                units=for_rank(units, rank),
-                root=root,
-                trace=trace,
-                optimizer=spec,
-                optimizer_order=order,
-                accumulate=accumulate,
-                no_sync=no_sync,
-                backward_prefetch=None,
-                executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
-                allocator=allocator,
-                buffers=_buffer_bytes(module, None, allocator),
-                workspace=workspace,
-                fully_shard=gathers,
-                accumulating_trace=accumulating,
-            )
-        )
-        for rank in range(sharding.num_shards)
+    ranks = _every_rank(
+        ModelMemoryRequest(
+            units=tuple(units),
+            root=root,
+            trace=trace,
+            optimizer=spec,
+            optimizer_order=order,
+            accumulate=accumulate,
+            no_sync=no_sync,
+            backward_prefetch=None,
+            executor=Executor.CPU_LANE if gloo else Executor.STREAMS,
+            allocator=allocator,
+            buffers=_buffer_bytes(module, None, allocator),
+            workspace=workspace,
+            fully_shard=gathers,
+            accumulating_trace=accumulating,
+        ),
+        sharding.num_shards,
     )
     return Prediction(
         units=tuple(units),

@@ -224,6 +224,12 @@ FSDP1_WARNS = ("FSDP is switching to use `NO_SHARD`", "The AccumulateGrad node's
 gradients are accumulated on another stream than autograd produced them on."""
 
 
+def _deep_step(model: nn.Module) -> torch.Tensor:
+    """One forward of ``_sgd_peak``'s training step, as the prediction traces it (a 256 x 2048 batch)."""
+    out: torch.Tensor = model(torch.randn(256, 2048)).square().mean()
+    return out
+
+
 def test_peak_memory_does_not_exceed_fsdp1(nccl_world: None) -> None:
     """max_memory_allocated over three training steps, above what was allocated before the model
     was built: ours (gradients released as soon as reduced, one torch.split per unit) against
@@ -287,14 +293,10 @@ def test_predicted_memory_is_what_cuda_allocates(nccl_world: None) -> None:
     from fsdp_core.memory import Category
     from fsdp_shell.predict import predict_memory
 
-    def step(model: nn.Module) -> torch.Tensor:
-        out: torch.Tensor = model(torch.randn(256, 2048)).square().mean()
-        return out
-
     with torch.device("meta"):
         meta = Deep(width=2048, depth=8)
     prediction = predict_memory(
-        meta, step, world_size=1, auto_wrap_policy={nn.Linear}, optimizer="sgd", backend="nccl"
+        meta, _deep_step, world_size=1, auto_wrap_policy={nn.Linear}, optimizer="sgd", backend="nccl"
     ).worst
     predicted, workspace = prediction.peak.bytes, prediction.after_step[Category.WORKSPACE]
     gc.collect()
@@ -323,15 +325,11 @@ def test_predicted_memory_of_fully_shard_is_what_cuda_allocates(nccl_world: None
     from fsdp_shell import fully_shard
     from fsdp_shell.predict import predict_memory
 
-    def step(model: nn.Module) -> torch.Tensor:
-        out: torch.Tensor = model(torch.randn(256, 2048)).square().mean()
-        return out
-
     with torch.device("meta"):
         meta = Deep(width=2048, depth=8)
     prediction = predict_memory(
         meta,
-        step,
+        _deep_step,
         world_size=1,
         auto_wrap_policy={nn.Linear},
         optimizer="sgd",
